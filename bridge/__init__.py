@@ -1,0 +1,24 @@
+"""jaxattn.bridge: torch <-> JAX, with no knowledge of what the functions compute.
+
+* `to_jax` / `to_torch`: zero-copy DLPack conversion with CUDA stream ordering.
+* `JaxOp` / `jax_op`: a JAX function as a differentiable torch op that torch.compile traces.
+* `to_jax_device` / `to_torch_device`, `to_jax_dtype` / `to_torch_dtype`: mappings.
+* `cache_info`, `clear_cache`, `set_cache_size`: the compiled-executable cache.
+
+Importing this package turns off JAX's 75% GPU preallocation unless XLA_PYTHON_CLIENT_* is set
+(see `bridge.memory`).
+"""
+
+from .memory import configure_gpu_memory
+
+configure_gpu_memory()
+
+from .devices import to_jax_device, to_torch_device  # noqa: E402
+from .dlpack import importable, narrow_broadcast, to_jax, to_torch  # noqa: E402
+from .dtypes import to_jax_dtype, to_torch_dtype  # noqa: E402
+from .torch_op import JaxOp, cache_info, clear_cache, jax_op, set_cache_size  # noqa: E402
+
+__all__ = [
+    "JaxOp", "cache_info", "clear_cache", "importable", "narrow_broadcast", "configure_gpu_memory", "jax_op", "set_cache_size",
+    "to_jax", "to_jax_device", "to_jax_dtype", "to_torch", "to_torch_device", "to_torch_dtype",
+]

@@ -1,0 +1,21 @@
+"""jaxattn.jax_core: attention in pure JAX (this package never imports torch).
+
+Implementations register in `AttentionRegistry`; `attention()` selects and runs one. Layout is
+(B, T, H, D) throughout; bias and masks broadcast to (B, Hq, T, S).
+"""
+
+from . import sdpa as _sdpa  # noqa: F401  (registers "sdpa", "cudnn", "cuda_flash_attn2")
+from . import vanilla as _vanilla  # noqa: F401  (registers "vanilla")
+from .base import AttentionImpl, AttentionOutput
+from .capabilities import FEATURES, AttentionInputs, Capabilities
+from .dispatch import Implementation, attention
+from .masks import positional_mask
+from .metadata import AttentionMetadata, PartitionAxis, backend_of, platform_of
+from .registry import PRIORITIES, AttentionRegistry
+from .vanilla import reference_attention
+
+__all__ = [
+    "AttentionImpl", "AttentionInputs", "AttentionMetadata", "AttentionOutput", "AttentionRegistry",
+    "Capabilities", "FEATURES", "Implementation", "PRIORITIES", "PartitionAxis", "attention",
+    "backend_of", "platform_of", "positional_mask", "reference_attention",
+]

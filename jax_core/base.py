@@ -1,0 +1,284 @@
+"""`AttentionImpl`: the base every attention implementation derives from.
+
+An implementation declares `capabilities` (and may add `extra_reasons`), provides
+`forward_native` and optionally per-platform variants. `__call__` checks support, then dispatches by
+the platform the inputs live on:
+
+    tpu -> forward_tpu      gpu/cuda -> forward_cuda      gpu/rocm -> forward_rocm      cpu -> forward_cpu
+
+The defaults of the per-platform methods delegate to `forward_native`.
+
+Tensors use the (B, T, H, D) layout ("BTHD"); bias and masks are broadcastable to (B, Hq, T, S).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, Literal, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from .capabilities import AttentionInputs, Capabilities, CausalAlignment
+from .metadata import AttentionMetadata, Mode, backend_of, platform_of
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionOutput:
+    """Result of an attention call.
+
+    Attributes:
+        attention_outputs: (B, T, Hq, Dv) attention result.
+        attention_weights: (B, Hq, T, S) probabilities, when requested and supported.
+        lse: (B, Hq, T) log-sum-exp of each row's logits, when requested and supported.
+    """
+
+    attention_outputs: Optional[jax.Array] = None
+    attention_weights: Optional[jax.Array] = None
+    lse: Optional[jax.Array] = None
+
+    def replace(self, **changes: Any) -> "AttentionOutput":
+        return dataclasses.replace(self, **changes)
+
+
+class AttentionImpl(abc.ABC):
+    """Base class of attention implementations; see the module docstring."""
+
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, metadata: AttentionMetadata):
+        if not isinstance(metadata, AttentionMetadata):
+            raise TypeError(f"metadata={metadata!r}: expected an AttentionMetadata.")
+        self.metadata = metadata
+
+    # --- identity -------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def get_impl_name(cls) -> str | tuple[str, ...]:
+        """The registered name, or a tuple of aliases (the first is canonical)."""
+
+    def get_impl_metadata(self) -> AttentionMetadata:
+        return self.metadata
+
+    @classmethod
+    def canonical_name(cls) -> str:
+        name = cls.get_impl_name()
+        return name if isinstance(name, str) else name[0]
+
+    # --- support --------------------------------------------------------------
+    @classmethod
+    def extra_reasons(cls, inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:
+        """Reasons beyond the declared capabilities (override for implementation rules)."""
+        return []
+
+    @classmethod
+    def not_supported_reasons(
+        cls, inputs: AttentionInputs, metadata: Optional[AttentionMetadata] = None
+    ) -> list[str]:
+        """Every reason this implementation cannot run `inputs` (empty when it can)."""
+        metadata = metadata if metadata is not None else AttentionMetadata()
+        reasons = cls.capabilities.reasons(inputs)
+        if inputs.num_q_heads % inputs.num_kv_heads:
+            reasons.append(f"num_q_heads={inputs.num_q_heads} is not a multiple of num_kv_heads={inputs.num_kv_heads}")
+        if metadata.mesh is not None:
+            reasons += _mesh_reasons(inputs, metadata)
+        return reasons + cls.extra_reasons(inputs, metadata)
+
+    # --- helpers --------------------------------------------------------------
+    def current_backend(self) -> Literal["tpu", "gpu", "cpu"]:
+        """The JAX default backend, as "tpu", "gpu" or "cpu"."""
+        backend = jax.default_backend()
+        return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+
+    def get_mode(self, q: jax.Array, BTHD: bool = True) -> Mode:
+        """"__autoregressive__" when the query length is 1, else "__train__"."""
+        q_len = q.shape[1] if BTHD else q.shape[2]
+        return "__autoregressive__" if q_len == 1 else "__train__"
+
+    @staticmethod
+    def repeat_kv_heads(k: jax.Array, v: jax.Array, num_reps: int) -> tuple[jax.Array, jax.Array]:
+        """Repeats (B, S, Hk, D) key/value heads `num_reps` times along the head axis."""
+        return jnp.repeat(k, num_reps, axis=2), jnp.repeat(v, num_reps, axis=2)
+
+    @staticmethod
+    def create_stable_sharding(
+        state_ps: Optional[PartitionSpec] = None,
+        preserved_indices: Optional[list[int]] = None,
+        clone_ps: Optional[PartitionSpec] = None,
+        dep: Any = True,
+        tensor: Optional[jax.Array] = None,
+    ) -> Optional[PartitionSpec]:
+        """A PartitionSpec keeping only `preserved_indices` of `state_ps` (or of `clone_ps`).
+
+        Returns None when `dep` is None or `state_ps` is None; `state_ps` itself when no indices
+        are given. With `tensor`, axes of size 1 are never partitioned.
+        """
+        if dep is None or state_ps is None:
+            return None
+        if preserved_indices is None:
+            return state_ps
+        source = clone_ps if clone_ps is not None else state_ps
+        spec = [None] * len(state_ps)
+        for i in preserved_indices:
+            if tensor is None or tensor.shape[i] != 1:
+                spec[i] = source[i]
+        return PartitionSpec(*spec)
+
+    # --- dispatch -------------------------------------------------------------
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        *,
+        bias: Optional[jax.Array] = None,
+        mask: Optional[jax.Array] = None,
+        causal: bool = False,
+        causal_alignment: CausalAlignment = "top_left",
+        sliding_window: Optional[tuple[int, int]] = None,
+        logits_soft_cap: Optional[float] = None,
+        softmax_aux: Optional[jax.Array] = None,
+        dropout_rng: Optional[jax.Array] = None,
+        return_weights: bool = False,
+        init_bias: Optional[Callable[[], jax.Array]] = None,
+    ) -> AttentionOutput:
+        """Runs attention on (B, T, Hq, D) query, (B, S, Hk, D) key and (B, S, Hk, Dv) value.
+
+        Args:
+            query: (B, T, Hq, D).
+            key: (B, S, Hk, D).
+            value: (B, S, Hk, Dv).
+            bias: additive float bias broadcastable to (B, Hq, T, S).
+            mask: bool mask broadcastable to (B, Hq, T, S); True = attend.
+            causal: apply a causal mask.
+            causal_alignment: "top_left" (query i sees keys j <= i, torch's `is_causal`) or
+                "bottom_right" (query i sees keys j <= i + S - T, KV-cache style).
+            sliding_window: (left, right) keys visible around each query's diagonal position;
+                -1 means unbounded on that side.
+            logits_soft_cap: c in c * tanh(logits / c), applied to the scaled logits.
+            softmax_aux: attention sink logits, shape (Hq,) or (Hq, n_sinks).
+            dropout_rng: PRNG key; with `metadata.dropout_prob > 0` enables dropout.
+            return_weights: also return the (B, Hq, T, S) attention probabilities.
+            init_bias: called for a bias when neither `bias` nor `mask` is given.
+
+        Returns:
+            AttentionOutput with `attention_outputs` of shape (B, T, Hq, Dv).
+
+        Raises:
+            ValueError: when this implementation cannot run the call (lists every reason).
+        """
+        if bias is None and mask is None and init_bias is not None:
+            bias = init_bias()
+        _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, sliding_window)
+        platform = self.metadata.platform or platform_of(query, key, value)
+        backend = self.metadata.backend or backend_of(platform)
+        inputs = AttentionInputs.from_arrays(
+            query, key, value, platform=platform, backend=backend, bias=bias, mask=mask, causal=causal,
+            causal_alignment=causal_alignment, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+            dropout=dropout_rng is not None and self.metadata.dropout_prob > 0, return_weights=return_weights,
+        )
+        reasons = self.not_supported_reasons(inputs, self.metadata)
+        if reasons:
+            raise ValueError(
+                f"implementation {self.canonical_name()!r} cannot run this call: " + "; ".join(reasons)
+            )
+        forward = {
+            "tpu": self.forward_tpu,
+            "cuda": self.forward_cuda,
+            "rocm": self.forward_rocm,
+            "cpu": self.forward_cpu,
+        }.get(backend, self.forward_gpu if platform == "gpu" else self.forward_native)
+        return forward(
+            query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+            dropout_rng=dropout_rng if self.metadata.dropout_prob > 0 else None,
+            return_weights=return_weights,
+        )
+
+    @abc.abstractmethod
+    def forward_native(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        *,
+        bias: Optional[jax.Array],
+        mask: Optional[jax.Array],
+        causal: bool,
+        causal_alignment: CausalAlignment,
+        sliding_window: Optional[tuple[int, int]],
+        logits_soft_cap: Optional[float],
+        softmax_aux: Optional[jax.Array],
+        dropout_rng: Optional[jax.Array],
+        return_weights: bool,
+    ) -> AttentionOutput:
+        """Platform-independent forward; arguments as in `__call__`."""
+
+    def forward_cpu(self, *args: Any, **kwargs: Any) -> AttentionOutput:
+        return self.forward_native(*args, **kwargs)
+
+    def forward_tpu(self, *args: Any, **kwargs: Any) -> AttentionOutput:
+        return self.forward_native(*args, **kwargs)
+
+    def forward_gpu(self, *args: Any, **kwargs: Any) -> AttentionOutput:
+        return self.forward_cuda(*args, **kwargs)
+
+    def forward_cuda(self, *args: Any, **kwargs: Any) -> AttentionOutput:
+        return self.forward_native(*args, **kwargs)
+
+    def forward_rocm(self, *args: Any, **kwargs: Any) -> AttentionOutput:
+        return self.forward_native(*args, **kwargs)
+
+
+def _mesh_reasons(inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:
+    mesh, pa = metadata.mesh, metadata.partition_axis
+    reasons = []
+
+    def size(axis):
+        axes = axis if isinstance(axis, tuple) else (axis,)
+        n = 1
+        for a in axes:
+            if a is not None and a in mesh.shape:
+                n *= mesh.shape[a]
+        return n
+
+    nb, nh = size(pa.batch_axis), size(pa.head_axis)
+    if inputs.batch % nb:
+        reasons.append(f"batch={inputs.batch} is not divisible by mesh batch axis size {nb}")
+    if inputs.num_kv_heads % nh:
+        reasons.append(f"num_kv_heads={inputs.num_kv_heads} is not divisible by mesh head axis size {nh}")
+    return reasons
+
+
+def _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, sliding_window):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected a (B, T, H, D) array, got shape {tuple(x.shape)}.")
+    b, t, hq, d = query.shape
+    if key.shape[0] != b or value.shape[0] != b:
+        raise ValueError(f"batch sizes differ: query {b}, key {key.shape[0]}, value {value.shape[0]}.")
+    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} disagree on (S, Hk).")
+    if key.shape[3] != d:
+        raise ValueError(f"key head dim {key.shape[3]} != query head dim {d}.")
+    if hq % key.shape[2]:
+        raise ValueError(f"num_q_heads={hq} is not a multiple of num_kv_heads={key.shape[2]}.")
+    full = (b, hq, t, key.shape[1])
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is None:
+            continue
+        if x.ndim > 4 or any(a not in (1, f) for a, f in zip(x.shape[::-1], full[::-1])):
+            raise ValueError(f"{name}: shape {tuple(x.shape)} is not broadcastable to (B, Hq, T, S)={full}.")
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise ValueError(f"mask: expected dtype bool, got {mask.dtype}; pass float masks as `bias`.")
+    if softmax_aux is not None and (softmax_aux.ndim not in (1, 2) or softmax_aux.shape[0] != hq):
+        raise ValueError(f"softmax_aux: expected shape (Hq,) or (Hq, n) with Hq={hq}, got {tuple(softmax_aux.shape)}.")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment={causal_alignment!r}: expected 'top_left' or 'bottom_right'.")
+    if sliding_window is not None:
+        if len(sliding_window) != 2 or any(not isinstance(w, int) or w < -1 for w in sliding_window):
+            raise ValueError(f"sliding_window={sliding_window!r}: expected (left, right) ints >= -1.")

@@ -1,0 +1,170 @@
+"""What an attention call asks for, and what an implementation declares it can do.
+
+`AttentionInputs` describes a call by its signature only (shapes, dtypes, platform, features
+asked for), so support can be decided once per signature, before any data is touched.
+`Capabilities` is an implementation's declaration; `Capabilities.reasons(inputs)` lists every way
+the call exceeds it.
+
+Shape legend (used across jax_core):
+    B: batch   T: query length   S: key/value length
+    Hq: query heads   Hk: key/value heads (Hq % Hk == 0)   D: q/k head dim   Dv: value head dim
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+import jax.numpy as jnp
+
+CausalAlignment = Literal["top_left", "bottom_right"]
+
+#: Feature vocabulary shared by all implementations.
+FEATURES = frozenset(
+    {
+        "causal",  # causal mask aligned top-left (torch's is_causal)
+        "causal_bottom_right",  # causal mask aligned bottom-right (KV-cache / flash-attn style)
+        "bias",  # additive float bias broadcastable to (B, Hq, T, S)
+        "bool_mask",  # boolean mask (True = attend) broadcastable to (B, Hq, T, S)
+        "dropout",
+        "gqa",  # Hk < Hq without repeating K/V in memory
+        "sliding_window",
+        "softcap",  # logits soft cap: cap * tanh(s / cap)
+        "sinks",  # per-head attention sink logits (softmax_aux)
+        "segment_ids",
+        "varlen",
+        "lse",  # return the log-sum-exp of each row
+        "weights",  # return the attention probabilities
+        "backward",  # differentiable
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """Signature of one attention call (no data).
+
+    Attributes:
+        batch, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, value_head_dim: sizes.
+        dtype: name of the query dtype.
+        platform: "cpu", "gpu" or "tpu".
+        backend: "cpu", "cuda", "rocm" or "tpu".
+        features: feature names (from `FEATURES`) the call needs.
+        window: (left, right) sliding window, -1 meaning unbounded on that side.
+    """
+
+    batch: int
+    q_len: int
+    kv_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    dtype: str
+    platform: str
+    backend: str
+    features: frozenset = frozenset()
+    window: Optional[tuple[int, int]] = None
+
+    def __post_init__(self):
+        unknown = set(self.features) - FEATURES
+        if unknown:
+            raise ValueError(f"features: unknown names {sorted(unknown)}; known: {sorted(FEATURES)}.")
+        object.__setattr__(self, "features", frozenset(self.features))
+
+    @classmethod
+    def from_arrays(
+        cls,
+        query: Any,
+        key: Any,
+        value: Any,
+        *,
+        platform: str,
+        backend: str,
+        bias: Any = None,
+        mask: Any = None,
+        causal: bool = False,
+        causal_alignment: CausalAlignment = "top_left",
+        sliding_window: Optional[tuple[int, int]] = None,
+        logits_soft_cap: Optional[float] = None,
+        softmax_aux: Any = None,
+        dropout: bool = False,
+        return_weights: bool = False,
+        backward: bool = False,
+    ) -> "AttentionInputs":
+        """Describes a call on (B, T, H, D) arrays (anything with `.shape` and `.dtype`)."""
+        b, t, hq, d = query.shape
+        _, s, hk, _ = key.shape
+        features = set()
+        if causal:
+            features.add("causal_bottom_right" if causal_alignment == "bottom_right" and t != s else "causal")
+        if bias is not None:
+            features.add("bias")
+        if mask is not None:
+            features.add("bool_mask")
+        if hk != hq:
+            features.add("gqa")
+        if sliding_window is not None:
+            features.add("sliding_window")
+        if logits_soft_cap is not None:
+            features.add("softcap")
+        if softmax_aux is not None:
+            features.add("sinks")
+        if dropout:
+            features.add("dropout")
+        if return_weights:
+            features.add("weights")
+        if backward:
+            features.add("backward")
+        return cls(
+            batch=b,
+            q_len=t,
+            kv_len=s,
+            num_q_heads=hq,
+            num_kv_heads=hk,
+            head_dim=d,
+            value_head_dim=value.shape[-1],
+            dtype=jnp.dtype(query.dtype).name,
+            platform=platform,
+            backend=backend,
+            features=frozenset(features),
+            window=None if sliding_window is None else tuple(sliding_window),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """An implementation's declared support.
+
+    Attributes:
+        platforms: platforms it runs on ("cpu", "gpu", "tpu").
+        dtypes: dtype names it accepts.
+        features: names from `FEATURES` it supports.
+        max_head_dim: largest q/k and v head dim, or None for no limit.
+        head_dim_multiple: head dims must be multiples of this.
+    """
+
+    platforms: frozenset
+    dtypes: frozenset
+    features: frozenset
+    max_head_dim: Optional[int] = None
+    head_dim_multiple: int = 1
+
+    def reasons(self, inputs: AttentionInputs) -> list[str]:
+        """Every way `inputs` falls outside this declaration (empty when supported)."""
+        out = []
+        if inputs.platform not in self.platforms:
+            out.append(f"platform {inputs.platform!r} not in {sorted(self.platforms)}")
+        if inputs.dtype not in self.dtypes:
+            out.append(f"dtype {inputs.dtype} not in {sorted(self.dtypes)}")
+        for name, dim in (("head_dim", inputs.head_dim), ("value_head_dim", inputs.value_head_dim)):
+            if self.max_head_dim is not None and dim > self.max_head_dim:
+                out.append(f"{name}={dim} > max {self.max_head_dim}")
+            if dim % self.head_dim_multiple:
+                out.append(f"{name}={dim} is not a multiple of {self.head_dim_multiple}")
+        for feature in sorted(inputs.features - self.features):
+            out.append(f"feature {feature!r} not supported")
+        return out
+
+
+ALL_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})

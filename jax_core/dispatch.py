@@ -1,0 +1,69 @@
+"""`attention()`: one functional entry point that picks an implementation and runs it."""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, Optional
+
+import jax
+
+from .base import AttentionImpl, AttentionOutput
+from .capabilities import AttentionInputs, CausalAlignment
+from .metadata import AttentionMetadata, backend_of, platform_of
+from .registry import AttentionRegistry
+
+Implementation = Literal["vanilla", "sdpa", "cudnn", "cuda_flash_attn2", "flash", "flash_attn2", "ring", "decode"]
+
+
+@functools.lru_cache(maxsize=256)
+def _instance(impl_cls: type[AttentionImpl], metadata: AttentionMetadata) -> AttentionImpl:
+    return impl_cls(metadata)
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    bias: Optional[jax.Array] = None,
+    mask: Optional[jax.Array] = None,
+    causal: bool = False,
+    causal_alignment: CausalAlignment = "top_left",
+    sliding_window: Optional[tuple[int, int]] = None,
+    logits_soft_cap: Optional[float] = None,
+    softmax_aux: Optional[jax.Array] = None,
+    dropout_rng: Optional[jax.Array] = None,
+    return_weights: bool = False,
+    implementation: Optional[Implementation | str | tuple[str, ...]] = None,
+    metadata: Optional[AttentionMetadata] = None,
+) -> AttentionOutput:
+    """Attention on (B, T, Hq, D) / (B, S, Hk, D) / (B, S, Hk, Dv) arrays by a registered implementation.
+
+    Arguments are those of `AttentionImpl.__call__`, plus:
+        implementation: a registered name to force, a tuple of names to choose among, or None to
+            choose automatically by the platform's priority list (`registry.PRIORITIES`).
+        metadata: settings; defaults to `AttentionMetadata()` (scale 1/sqrt(D), no dropout).
+
+    Returns:
+        AttentionOutput; `attention_outputs` has shape (B, T, Hq, Dv).
+
+    Raises:
+        ValueError: unknown or unusable forced implementation (with reasons), malformed inputs.
+        NotImplementedError: automatic selection found no implementation (with every reason).
+    """
+    metadata = metadata if metadata is not None else AttentionMetadata()
+    platform = metadata.platform or platform_of(query, key, value)
+    backend = metadata.backend or backend_of(platform)
+    metadata = metadata.replace(platform=platform, backend=backend)
+    inputs = AttentionInputs.from_arrays(
+        query, key, value, platform=platform, backend=backend, bias=bias, mask=mask, causal=causal,
+        causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        softmax_aux=softmax_aux, dropout=dropout_rng is not None and metadata.dropout_prob > 0,
+        return_weights=return_weights,
+    )
+    impl_cls = AttentionRegistry.select(inputs, metadata, implementation)
+    return _instance(impl_cls, metadata)(
+        query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+        dropout_rng=dropout_rng, return_weights=return_weights,
+    )

@@ -1,0 +1,106 @@
+"""`AttentionRegistry`: implementations by name, and selection by platform priority."""
+
+from __future__ import annotations
+
+from typing import Optional, TypeVar
+
+from .base import AttentionImpl
+from .capabilities import AttentionInputs
+from .metadata import AttentionMetadata
+
+ImplT = TypeVar("ImplT", bound=type[AttentionImpl])
+
+#: Automatic selection order per platform; names not registered are skipped.
+PRIORITIES: dict[str, tuple[str, ...]] = {
+    "gpu": ("flash", "sdpa", "vanilla"),
+    "tpu": ("flash", "sdpa", "vanilla"),
+    "cpu": ("sdpa", "vanilla"),
+}
+
+
+class AttentionRegistry:
+    """Registry of `AttentionImpl` classes, keyed by every name and alias they declare."""
+
+    _impls: dict[str, type[AttentionImpl]] = {}
+
+    @classmethod
+    def register(cls, impl_cls: ImplT) -> ImplT:
+        """Class decorator: registers `impl_cls` under each name of `get_impl_name()`."""
+        names = impl_cls.get_impl_name()
+        for name in (names,) if isinstance(names, str) else tuple(names):
+            existing = cls._impls.get(name)
+            if existing is not None and existing is not impl_cls:
+                raise ValueError(f"attention implementation name {name!r} is already taken by {existing.__name__}.")
+            cls._impls[name] = impl_cls
+        return impl_cls
+
+    @classmethod
+    def get(cls, impl_name: str) -> type[AttentionImpl]:
+        """The class registered under `impl_name`; ValueError listing the known names otherwise."""
+        try:
+            return cls._impls[impl_name]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"implementation={impl_name!r} is not registered; available: {cls.list_implementations()}."
+            ) from None
+
+    @classmethod
+    def create(cls, impl_name: str, metadata: AttentionMetadata) -> AttentionImpl:
+        return cls.get(impl_name)(metadata)
+
+    @classmethod
+    def list_implementations(cls) -> list[str]:
+        """Every registered name, aliases included, sorted."""
+        return sorted(cls._impls)
+
+    @classmethod
+    def canonical_names(cls) -> list[str]:
+        """One name per registered class, in registration order."""
+        seen, out = set(), []
+        for impl in cls._impls.values():
+            if impl not in seen:
+                seen.add(impl)
+                out.append(impl.canonical_name())
+        return out
+
+    @classmethod
+    def select(
+        cls,
+        inputs: AttentionInputs,
+        metadata: Optional[AttentionMetadata] = None,
+        implementation: Optional[str | tuple[str, ...]] = None,
+    ) -> type[AttentionImpl]:
+        """Chooses the implementation for `inputs`.
+
+        Args:
+            inputs: the call's signature.
+            metadata: settings (a mesh adds divisibility rules).
+            implementation: None for automatic selection by `PRIORITIES[inputs.platform]`; a name to
+                force one; a tuple of names to choose among them in that order.
+
+        Raises:
+            ValueError: a forced implementation cannot run the call (with its reasons), or a name
+                is unknown.
+            NotImplementedError: no candidate can run the call (with every candidate's reasons).
+        """
+        if isinstance(implementation, str):
+            impl = cls.get(implementation)
+            reasons = impl.not_supported_reasons(inputs, metadata)
+            if reasons:
+                raise ValueError(f"implementation={implementation!r} cannot run this call: " + "; ".join(reasons) + ".")
+            return impl
+        if implementation is None:
+            names = [n for n in PRIORITIES.get(inputs.platform, ("vanilla",)) if n in cls._impls]
+        else:
+            names = list(implementation)
+            for name in names:
+                cls.get(name)
+        all_reasons = {}
+        for name in names:
+            impl = cls._impls[name]
+            reasons = impl.not_supported_reasons(inputs, metadata)
+            if not reasons:
+                return impl
+            all_reasons[name] = reasons
+        detail = "\n".join(f"  {name}: " + "; ".join(r) for name, r in all_reasons.items())
+        raise NotImplementedError(f"no attention implementation can run this call:\n{detail}")

@@ -1,0 +1,129 @@
+"""`vanilla`: the XLA einsum reference implementation, with every feature.
+
+It materialises the (B, Hq, T, S) logits, so it is the correctness reference rather than the fast
+path. GQA is native: queries are grouped over each KV head, K/V are never repeated.
+Rows whose keys are all masked give 0 (as torch's math backend does).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .base import AttentionImpl, AttentionOutput
+from .capabilities import ALL_FLOAT_DTYPES, FEATURES, Capabilities, CausalAlignment
+from .masks import combine_masks, positional_mask
+from .registry import AttentionRegistry
+from .sharding import run_sharded
+
+
+def reference_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    scale: float,
+    softmax_dtype: jnp.dtype,
+    bias: Optional[jax.Array] = None,
+    mask: Optional[jax.Array] = None,
+    causal: bool = False,
+    causal_alignment: CausalAlignment = "top_left",
+    sliding_window: Optional[tuple[int, int]] = None,
+    logits_soft_cap: Optional[float] = None,
+    softmax_aux: Optional[jax.Array] = None,
+    dropout_rng: Optional[jax.Array] = None,
+    dropout_prob: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Plain attention; returns ((B, T, Hq, Dv) output, (B, Hq, T, S) probabilities before dropout).
+
+    Arguments as in `AttentionImpl.__call__`; `scale` multiplies q·k, logits and softmax are computed
+    in `softmax_dtype`.
+    """
+    b, t, hq, d = query.shape
+    s, hk = key.shape[1], key.shape[2]
+    groups = hq // hk
+    q = query.reshape(b, t, hk, groups, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=softmax_dtype)
+    logits = logits.astype(softmax_dtype).reshape(b, hq, t, s) * jnp.asarray(scale, softmax_dtype)
+    if logits_soft_cap is not None:
+        cap = jnp.asarray(logits_soft_cap, softmax_dtype)
+        logits = cap * jnp.tanh(logits / cap)
+    if bias is not None:
+        logits = logits + bias.astype(softmax_dtype)
+    visible = combine_masks(
+        mask,
+        positional_mask(t, s, causal=causal, causal_alignment=causal_alignment, sliding_window=sliding_window),
+    )
+    if visible is not None:
+        logits = jnp.where(visible, logits, -jnp.inf)
+
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    if softmax_aux is not None:
+        sinks = softmax_aux.astype(softmax_dtype).reshape(1, hq, 1, -1)
+        row_max = jnp.maximum(row_max, jnp.max(sinks, axis=-1, keepdims=True))
+    # Rows with nothing visible have max -inf: shift by 0 instead so they give exp(-inf) = 0.
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0))
+    exp = jnp.exp(logits - row_max)
+    denom = jnp.sum(exp, axis=-1, keepdims=True)
+    if softmax_aux is not None:
+        denom = denom + jnp.sum(jnp.exp(sinks - row_max), axis=-1, keepdims=True)
+    probs = exp / jnp.where(denom == 0, 1, denom)
+
+    weights = probs
+    if dropout_rng is not None and dropout_prob > 0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_prob, probs.shape)
+        weights = jnp.where(keep, probs / (1.0 - dropout_prob), 0)
+    weights = weights.reshape(b, hk, groups, t, s).astype(value.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, value, preferred_element_type=softmax_dtype)
+    return out.reshape(b, t, hq, value.shape[-1]).astype(query.dtype), probs
+
+
+@AttentionRegistry.register
+class VanillaAttn(AttentionImpl):
+    """Reference attention on every platform; supports every feature except segment ids, varlen, LSE."""
+
+    capabilities = Capabilities(
+        platforms=frozenset({"cpu", "gpu", "tpu"}),
+        dtypes=ALL_FLOAT_DTYPES,
+        features=FEATURES - {"segment_ids", "varlen", "lse"},
+    )
+
+    @classmethod
+    def get_impl_name(cls) -> str:
+        return "vanilla"
+
+    def forward_native(
+        self,
+        query,
+        key,
+        value,
+        *,
+        bias,
+        mask,
+        causal,
+        causal_alignment,
+        sliding_window,
+        logits_soft_cap,
+        softmax_aux,
+        dropout_rng,
+        return_weights,
+    ) -> AttentionOutput:
+        md = self.metadata
+        dtype = jnp.dtype(md.runtime_dtype) if md.runtime_dtype else query.dtype
+        query, key, value = (x.astype(dtype) for x in (query, key, value))
+
+        def attend(q, k, v, bias, mask, softmax_aux, dropout_rng):
+            return reference_attention(
+                q, k, v, scale=md.scale_for(q.shape[-1]), softmax_dtype=md.softmax_dtype_for(q.dtype),
+                bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+                dropout_rng=dropout_rng, dropout_prob=md.dropout_prob,
+            )
+
+        out, probs = run_sharded(
+            attend, md, query, key, value, bias=bias, mask=mask, softmax_aux=softmax_aux,
+            dropout_rng=dropout_rng, with_weights=True,
+        )
+        return AttentionOutput(attention_outputs=out, attention_weights=probs if return_weights else None)
