@@ -1,0 +1,152 @@
+"""Input checks of the torch API, with messages that name the argument, its value and a fix.
+
+Errors derive from both ValueError and RuntimeError: code written against torch (which raises
+RuntimeError) and code expecting ValueError both catch them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+class AttentionInputError(ValueError, RuntimeError):
+    """An argument of an attention call is malformed."""
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: "cpu": check CPU inputs for NaN/inf (free of host syncs); "always": CUDA too (one host sync per
+#: call); "off": never. Checks are skipped while torch.compile traces.
+_finite_check = ["cpu"]
+
+
+def set_finite_check(mode: str) -> None:
+    """Sets when inputs are checked for NaN/inf: "cpu" (default), "always" or "off"."""
+    if mode not in ("cpu", "always", "off"):
+        raise ValueError(f"mode={mode!r}: expected 'cpu', 'always' or 'off'.")
+    _finite_check[0] = mode
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_qkv(query, key, value, enable_gqa: bool) -> None:
+    """Checks types, ranks, dtypes, devices and sizes of (N, ..., H, L, E) query/key/value."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() < 2:
+            raise AttentionInputError(f"{name}: expected at least 2 dims (..., L, E), got shape {_shape(t)}.")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise AttentionInputError(
+                f"{name}: dtype {t.dtype} is not a floating type; expected one of "
+                "float16, bfloat16, float32, float64 (call .float() or .to(torch.bfloat16))."
+            )
+        if t.numel() == 0:
+            raise AttentionInputError(f"{name}: is empty (shape {_shape(t)}); every dimension must be > 0.")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa={enable_gqa!r}: expected a bool.")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise AttentionInputError(
+            f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype} "
+            "(convert them with .to(query.dtype))."
+        )
+    if not (query.device == key.device == value.device):
+        raise AttentionInputError(
+            f"query, key and value must be on one device; got {query.device}, {key.device}, {value.device} "
+            "(move them with .to(query.device))."
+        )
+    if not (query.dim() == key.dim() == value.dim()):
+        raise AttentionInputError(
+            f"query, key and value must have the same number of dims; got shapes {_shape(query)}, "
+            f"{_shape(key)}, {_shape(value)}."
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise AttentionInputError(
+            f"key: head dim {key.shape[-1]} != query head dim {query.shape[-1]} (shapes {_shape(key)} and {_shape(query)})."
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise AttentionInputError(
+            f"key and value: sequence lengths differ, {key.shape[-2]} and {value.shape[-2]} "
+            f"(shapes {_shape(key)} and {_shape(value)})."
+        )
+    if key.shape[:-2] != value.shape[:-2]:
+        raise AttentionInputError(f"key {_shape(key)} and value {_shape(value)}: leading dims differ.")
+    for i in range(query.dim() - 2):
+        qn, kn = query.shape[i], key.shape[i]
+        is_head = i == query.dim() - 3
+        if qn == kn or kn == 1:
+            continue
+        if is_head and enable_gqa:
+            if qn % kn:
+                raise AttentionInputError(
+                    f"enable_gqa=True: query heads {qn} must be a multiple of key/value heads {kn} "
+                    f"(shapes {_shape(query)} and {_shape(key)})."
+                )
+            continue
+        if is_head:
+            raise AttentionInputError(
+                f"key: {kn} heads but query has {qn} (shapes {_shape(key)} and {_shape(query)}); "
+                "for grouped-query attention pass enable_gqa=True."
+            )
+        raise AttentionInputError(
+            f"key: dim {i} is {kn} but query's is {qn} (shapes {_shape(key)} and {_shape(query)}); "
+            "leading dims must match or be 1."
+        )
+
+
+def check_options(attn_mask, dropout_p, is_causal, scale, query) -> None:
+    """Checks dropout_p, is_causal, scale and the mask's type (its shape: `check_mask_shape`)."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal={is_causal!r}: expected a bool.")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise AttentionInputError(f"dropout_p={dropout_p!r}: expected a float in [0, 1).")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise AttentionInputError(f"scale={scale!r}: expected None or a finite float.")
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(attn_mask).__name__}.")
+    if is_causal:
+        raise AttentionInputError(
+            "attn_mask was given with is_causal=True; pass one or the other (fold the causal mask into attn_mask)."
+        )
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        raise AttentionInputError(
+            f"attn_mask: dtype {attn_mask.dtype} is neither bool nor the query dtype {query.dtype} "
+            "(use a bool mask, True = attend, or an additive mask of the query's dtype)."
+        )
+    if attn_mask.device != query.device:
+        raise AttentionInputError(
+            f"attn_mask: on {attn_mask.device} but query is on {query.device} (move it with .to(query.device))."
+        )
+
+
+def check_mask_shape(attn_mask: torch.Tensor, target: tuple[int, ...]) -> None:
+    """The mask must broadcast to `target` = (N, ..., Hq, L, S)."""
+    shape = _shape(attn_mask)
+    if len(shape) > len(target) or any(m not in (1, t) for m, t in zip(shape[::-1], target[::-1])):
+        raise AttentionInputError(
+            f"attn_mask: shape {shape} does not broadcast to (N, ..., Hq, L, S) = {target}."
+        )
+
+
+def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
+    """Raises on NaN/inf in query/key/value (and NaN in a float mask), as `set_finite_check` allows."""
+    mode = _finite_check[0]
+    if mode == "off" or torch.compiler.is_compiling():
+        return
+    for name, t in tensors.items():
+        if t is None or t.dtype == torch.bool or (mode == "cpu" and t.device.type != "cpu"):
+            continue
+        bad = torch.isnan(t) if name == "attn_mask" else ~torch.isfinite(t)
+        if bool(bad.any()):
+            what = "NaN" if name == "attn_mask" else "NaN or inf"
+            raise AttentionInputError(
+                f"{name}: contains {what} values at {int(bad.sum())} position(s) "
+                "(check the producer of this tensor; jaxattn.torch_api.set_finite_check('off') disables this check)."
+            )
