@@ -86,12 +86,12 @@ def _avals(shapes_dtypes, device: Optional[jax.Device]):
 
 
 def _build_forward(op: "JaxOp", spec: str, avals: list) -> _Trace:
-    n_args, present, fulls, static = _parse(spec)
+    n_args, present, fulls, static, with_vjp = _parse(spec)
     static = dict(static)
     info: dict[str, Any] = {}
 
     def forward(*inputs):
-        diff = tuple(i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating))
+        diff = tuple(i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating)) if with_vjp else ()
 
         def apply(*diff_values):
             values = list(inputs)
@@ -102,7 +102,10 @@ def _build_forward(op: "JaxOp", spec: str, avals: list) -> _Trace:
                 args[pos] = v if full is None else jnp.broadcast_to(v, full)
             return op.fn(*args, **static)
 
-        out, vjp = jax.vjp(apply, *(inputs[i] for i in diff))
+        if with_vjp:
+            out, vjp = jax.vjp(apply, *(inputs[i] for i in diff))
+        else:  # inference: no residuals to compute or hand over
+            out, vjp = apply(), None
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if len(outs) != op.num_outputs or not all(isinstance(o, jax.Array) for o in outs):
             raise TypeError(
@@ -296,7 +299,8 @@ class JaxOp:
                     f"{self.name}: argument {pos} is on {t.device} but argument {present[0]} is on {device}; "
                     "move all tensors to one device."
                 )
-        spec = repr((len(args), tuple(present), tuple(fulls), tuple(sorted(static.items()))))
+        with_vjp = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        spec = repr((len(args), tuple(present), tuple(fulls), tuple(sorted(static.items())), with_vjp))
         result = torch.ops.jaxattn.jax_call(tensors, self.name, spec)
         return result[0] if self.num_outputs == 1 else tuple(result[: self.num_outputs])
 

@@ -6,7 +6,7 @@ Implementations register in `AttentionRegistry`; `attention()` selects and runs 
 
 from . import sdpa as _sdpa  # noqa: F401  (registers "sdpa", "cudnn", "cuda_flash_attn2")
 from . import vanilla as _vanilla  # noqa: F401  (registers "vanilla")
-from .base import AttentionImpl, AttentionOutput
+from .base import AttentionImpl, AttentionOutput, Layout
 from .capabilities import FEATURES, AttentionInputs, Capabilities
 from .dispatch import Implementation, attention
 from .masks import positional_mask
@@ -16,6 +16,6 @@ from .vanilla import reference_attention
 
 __all__ = [
     "AttentionImpl", "AttentionInputs", "AttentionMetadata", "AttentionOutput", "AttentionRegistry",
-    "Capabilities", "FEATURES", "Implementation", "PRIORITIES", "PartitionAxis", "attention",
+    "Capabilities", "FEATURES", "Implementation", "Layout", "PRIORITIES", "PartitionAxis", "attention",
     "backend_of", "platform_of", "positional_mask", "reference_attention",
 ]

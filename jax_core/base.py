@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any, Callable, ClassVar, Literal, Optional
 
 import jax
@@ -23,6 +24,8 @@ from jax.sharding import PartitionSpec
 
 from .capabilities import AttentionInputs, Capabilities, CausalAlignment
 from .metadata import AttentionMetadata, Mode, backend_of, platform_of
+
+Layout = Literal["BTHD", "BHTD"]
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +51,8 @@ class AttentionImpl(abc.ABC):
     """Base class of attention implementations; see the module docstring."""
 
     capabilities: ClassVar[Capabilities]
+    #: Layouts `forward_*` accept natively; others are transposed to (B, T, H, D) around the call.
+    layouts: ClassVar[frozenset] = frozenset({"BTHD"})
 
     def __init__(self, metadata: AttentionMetadata):
         if not isinstance(metadata, AttentionMetadata):
@@ -144,6 +149,7 @@ class AttentionImpl(abc.ABC):
         dropout_rng: Optional[jax.Array] = None,
         return_weights: bool = False,
         init_bias: Optional[Callable[[], jax.Array]] = None,
+        layout: Layout = "BTHD",
     ) -> AttentionOutput:
         """Runs attention on (B, T, Hq, D) query, (B, S, Hk, D) key and (B, S, Hk, Dv) value.
 
@@ -163,6 +169,7 @@ class AttentionImpl(abc.ABC):
             dropout_rng: PRNG key; with `metadata.dropout_prob > 0` enables dropout.
             return_weights: also return the (B, Hq, T, S) attention probabilities.
             init_bias: called for a bias when neither `bias` nor `mask` is given.
+            layout: "BTHD" as above, or "BHTD" for (B, H, T, D) query/key/value and output.
 
         Returns:
             AttentionOutput with `attention_outputs` of shape (B, T, Hq, Dv).
@@ -172,6 +179,22 @@ class AttentionImpl(abc.ABC):
         """
         if bias is None and mask is None and init_bias is not None:
             bias = init_bias()
+        if layout not in ("BTHD", "BHTD"):
+            raise ValueError(f"layout={layout!r}: expected 'BTHD' or 'BHTD'.")
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.ndim != 4:
+                raise ValueError(f"{name}: expected a 4-D ({layout}) array, got shape {tuple(x.shape)}.")
+        if layout != "BTHD" and layout not in self.layouts:
+            swap = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+            out = self(
+                swap(query), swap(key), swap(value), bias=bias, mask=mask, causal=causal,
+                causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                softmax_aux=softmax_aux, dropout_rng=dropout_rng, return_weights=return_weights,
+            )
+            return out.replace(attention_outputs=swap(out.attention_outputs))
+        native = (query, key, value)
+        if layout == "BHTD":  # describe the call in (B, T, H, D) terms
+            query, key, value = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype) for x in native)
         _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, sliding_window)
         platform = self.metadata.platform or platform_of(query, key, value)
         backend = self.metadata.backend or backend_of(platform)
@@ -193,10 +216,10 @@ class AttentionImpl(abc.ABC):
             "cpu": self.forward_cpu,
         }.get(backend, self.forward_gpu if platform == "gpu" else self.forward_native)
         return forward(
-            query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
+            *native, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
             dropout_rng=dropout_rng if self.metadata.dropout_prob > 0 else None,
-            return_weights=return_weights,
+            return_weights=return_weights, **({"layout": layout} if len(self.layouts) > 1 else {}),
         )
 
     @abc.abstractmethod
@@ -255,9 +278,6 @@ def _mesh_reasons(inputs: AttentionInputs, metadata: AttentionMetadata) -> list[
 
 
 def _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, sliding_window):
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.ndim != 4:
-            raise ValueError(f"{name}: expected a (B, T, H, D) array, got shape {tuple(x.shape)}.")
     b, t, hq, d = query.shape
     if key.shape[0] != b or value.shape[0] != b:
         raise ValueError(f"batch sizes differ: query {b}, key {key.shape[0]}, value {value.shape[0]}.")

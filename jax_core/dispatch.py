@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 import jax
 
-from .base import AttentionImpl, AttentionOutput
+from .base import AttentionImpl, AttentionOutput, Layout
 from .capabilities import AttentionInputs, CausalAlignment
 from .metadata import AttentionMetadata, backend_of, platform_of
 from .registry import AttentionRegistry
@@ -36,6 +36,7 @@ def attention(
     return_weights: bool = False,
     implementation: Optional[Implementation | str | tuple[str, ...]] = None,
     metadata: Optional[AttentionMetadata] = None,
+    layout: Layout = "BTHD",
 ) -> AttentionOutput:
     """Attention on (B, T, Hq, D) / (B, S, Hk, D) / (B, S, Hk, Dv) arrays by a registered implementation.
 
@@ -43,6 +44,8 @@ def attention(
         implementation: a registered name to force, a tuple of names to choose among, or None to
             choose automatically by the platform's priority list (`registry.PRIORITIES`).
         metadata: settings; defaults to `AttentionMetadata()` (scale 1/sqrt(D), no dropout).
+        layout: "BTHD", or "BHTD" for (B, H, T, D) query/key/value and output (implementations
+            that take it natively avoid the transposes).
 
     Returns:
         AttentionOutput; `attention_outputs` has shape (B, T, Hq, Dv).
@@ -55,8 +58,14 @@ def attention(
     platform = metadata.platform or platform_of(query, key, value)
     backend = metadata.backend or backend_of(platform)
     metadata = metadata.replace(platform=platform, backend=backend)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected a 4-D ({layout}) array, got shape {tuple(x.shape)}.")
+    q_, k_, v_ = query, key, value
+    if layout == "BHTD":
+        q_, k_, v_ = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype) for x in (query, key, value))
     inputs = AttentionInputs.from_arrays(
-        query, key, value, platform=platform, backend=backend, bias=bias, mask=mask, causal=causal,
+        q_, k_, v_, platform=platform, backend=backend, bias=bias, mask=mask, causal=causal,
         causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         softmax_aux=softmax_aux, dropout=dropout_rng is not None and metadata.dropout_prob > 0,
         return_weights=return_weights,
@@ -65,5 +74,5 @@ def attention(
     return _instance(impl_cls, metadata)(
         query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-        dropout_rng=dropout_rng, return_weights=return_weights,
+        dropout_rng=dropout_rng, return_weights=return_weights, layout=layout,
     )

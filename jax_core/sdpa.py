@@ -47,6 +47,8 @@ class ScaledDotProductAttn(AttentionImpl):
         features=frozenset({"causal", "bias", "bool_mask", "gqa", "sliding_window", "backward"}),
     )
 
+    layouts = frozenset({"BTHD", "BHTD"})
+
     @classmethod
     def get_impl_name(cls) -> tuple[str, ...]:
         return ("sdpa", "cudnn", "cuda_flash_attn2")
@@ -87,16 +89,52 @@ class ScaledDotProductAttn(AttentionImpl):
         return AttentionOutput(attention_outputs=run_sharded(body, md, query, key, value, bias=bias, mask=mask))
 
     def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                       logits_soft_cap, softmax_aux, dropout_rng, return_weights) -> AttentionOutput:
+                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+        if layout == "BHTD":
+            return _swap_out(self._attend(*map(_swap, (query, key, value)), bias, mask, causal, sliding_window, "xla"))
         return self._attend(query, key, value, bias, mask, causal, sliding_window, "xla")
 
     def forward_cuda(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                     logits_soft_cap, softmax_aux, dropout_rng, return_weights) -> AttentionOutput:
-        inputs = AttentionInputs.from_arrays(query, key, value, platform="gpu", backend="cuda")
-        implementation = "xla" if cudnn_reasons(inputs) else "cudnn"
-        if implementation == "cudnn":
+                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+        btgd = (query, key, value) if layout == "BTHD" else tuple(map(_swap, (query, key, value)))
+        inputs = AttentionInputs.from_arrays(*btgd, platform="gpu", backend="cuda")
+        if not cudnn_reasons(inputs):
+            if layout == "BHTD" and bias is None and mask is None and sliding_window is None and self.metadata.mesh is None:
+                out = _cudnn_bhtd(query, key, value, causal, self.metadata)
+                if out is not None:
+                    return AttentionOutput(attention_outputs=out)
             try:
-                return self._attend(query, key, value, bias, mask, causal, sliding_window, "cudnn")
+                out = self._attend(*btgd, bias, mask, causal, sliding_window, "cudnn")
+                return out if layout == "BTHD" else _swap_out(out)
             except (NotImplementedError, ValueError):
-                implementation = "xla"  # a layout or mask cuDNN rejects at trace time
-        return self._attend(query, key, value, bias, mask, causal, sliding_window, implementation)
+                pass  # a shape or mask cuDNN rejects at trace time: XLA below
+        out = self._attend(*btgd, bias, mask, causal, sliding_window, "xla")
+        return out if layout == "BTHD" else _swap_out(out)
+
+
+def _swap(x):
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _swap_out(out: AttentionOutput) -> AttentionOutput:
+    return out.replace(attention_outputs=_swap(out.attention_outputs))
+
+
+def _cudnn_bhtd(query, key, value, causal, metadata) -> Optional[jax.Array]:
+    """cuDNN fused attention on (B, H, T, D) arrays without transposes, or None if unavailable.
+
+    Uses JAX's cuDNN attention entry point with qkv_layout="BNTH" (what jax.nn calls with "BTNH").
+    """
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    except ImportError:
+        return None
+    dtype = jnp.dtype(metadata.runtime_dtype) if metadata.runtime_dtype else query.dtype
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+    try:
+        return cudnn.dot_product_attention(
+            query, key, value, scale=metadata.scale_for(query.shape[-1]),
+            mask_type=cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK, qkv_layout="BNTH",
+        )
+    except (NotImplementedError, ValueError, TypeError, AttributeError):
+        return None

@@ -30,15 +30,14 @@ from .validation import check_finite, check_mask_shape, check_options, check_qkv
 @jax_op(name="jaxattn.sdpa")
 def _sdpa_jax(query, key, value, attn_mask, seed, *, is_causal, scale, dropout_p, implementation, platform):
     """(B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev) torch-layout arrays -> (B, Hq, L, Ev)."""
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
     is_bool = attn_mask is not None and attn_mask.dtype == jnp.bool_
     rng = None if seed is None else jax.random.fold_in(jax.random.key(seed[0]), seed[1])
     metadata = AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform)
     out = attention(
-        q, k, v, bias=None if is_bool else attn_mask, mask=attn_mask if is_bool else None, causal=is_causal,
-        dropout_rng=rng, implementation=implementation, metadata=metadata,
+        query, key, value, bias=None if is_bool else attn_mask, mask=attn_mask if is_bool else None,
+        causal=is_causal, dropout_rng=rng, implementation=implementation, metadata=metadata, layout="BHTD",
     )
-    return jnp.swapaxes(out.attention_outputs, 1, 2)
+    return out.attention_outputs
 
 
 def scaled_dot_product_attention(

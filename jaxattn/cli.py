@@ -1,0 +1,65 @@
+"""The `jaxattn` command: `jaxattn --version`, `jaxattn doctor`."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import Optional, Sequence
+
+from ._version import __version__
+
+
+def _versions() -> list[tuple[str, str]]:
+    rows = [("jaxattn", __version__), ("python", platform.python_version())]
+    for name in ("jax", "jaxlib", "torch", "numpy", "triton", "jax_triton"):
+        try:
+            module = __import__(name)
+            rows.append((name, getattr(module, "__version__", "?")))
+        except Exception as exc:  # a broken optional install should not stop the report
+            rows.append((name, f"not available ({type(exc).__name__})"))
+    return rows
+
+
+def doctor() -> int:
+    """Prints versions, devices and which implementations can run on each platform here."""
+    from . import bridge  # noqa: F401  (applies the GPU memory policy before JAX starts)
+    import jax
+    import torch
+
+    from .jax_core import AttentionInputs, AttentionRegistry, backend_of
+
+    print("versions")
+    for name, version in _versions():
+        print(f"  {name:<11} {version}")
+    print("devices")
+    print(f"  jax default backend: {jax.default_backend()}")
+    for d in jax.devices():
+        print(f"  jax   {d.platform}:{d.id}  {getattr(d, 'device_kind', '')}")
+    print(f"  torch cuda available: {torch.cuda.is_available()} ({torch.cuda.device_count()} devices)")
+    print("implementations (probe: B=1, T=S=128, H=8, D=128, causal)")
+    platforms = sorted({"cpu", *("gpu" if d.platform in ("gpu", "cuda", "rocm") else d.platform for d in jax.devices())})
+    for plat in platforms:
+        for dtype in ("bfloat16", "float32"):
+            inputs = AttentionInputs(1, 128, 128, 8, 8, 128, 128, dtype, plat, backend_of(plat), frozenset({"causal"}))
+            for name in AttentionRegistry.canonical_names():
+                reasons = AttentionRegistry.get(name).not_supported_reasons(inputs)
+                status = "ok" if not reasons else "no: " + "; ".join(reasons)
+                print(f"  {plat:<4} {dtype:<9} {name:<10} {status}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxattn", description="JAX attention kernels for PyTorch users.")
+    parser.add_argument("--version", action="version", version=f"jaxattn {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("doctor", help="versions, devices and which implementations can run here")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor()
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
