@@ -23,7 +23,7 @@ CausalAlignment = Literal["top_left", "bottom_right"]
 FEATURES = frozenset(
     {
         "causal",  # causal mask aligned top-left (torch's is_causal)
-        "causal_bottom_right",  # causal mask aligned bottom-right (KV-cache / flash-attn style)
+        "causal_bottom_right",  # causal mask or window aligned bottom-right (KV-cache / flash-attn style)
         "bias",  # additive float bias broadcastable to (B, Hq, T, S)
         "bool_mask",  # boolean mask (True = attend) broadcastable to (B, Hq, T, S)
         "dropout",
@@ -96,8 +96,11 @@ class AttentionInputs:
         b, t, hq, d = query.shape
         _, s, hk, _ = key.shape
         features = set()
+        bottom_right = causal_alignment == "bottom_right" and t != s
         if causal:
-            features.add("causal_bottom_right" if causal_alignment == "bottom_right" and t != s else "causal")
+            features.add("causal_bottom_right" if bottom_right else "causal")
+        elif bottom_right and sliding_window is not None:
+            features.add("causal_bottom_right")  # the window follows the bottom-right diagonal
         if bias is not None:
             features.add("bias")
         if mask is not None:

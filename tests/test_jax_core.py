@@ -744,11 +744,11 @@ def test_gradients_match_float64_reference(impl):
         out = attention(q, k, v, bias=bias, causal=True, implementation=impl).attention_outputs
         return jnp.sum(out * ct)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     with jax.enable_x64(True):
         args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias)]
-        ref_grads = jax.grad(lambda q, k, v, b: jnp.sum(_jax_reference_f64(q, k, v, b, True) * ct),
-                             argnums=(0, 1, 2, 3))(*args)
+        ref_grads = jax.jit(jax.grad(lambda q, k, v, b: jnp.sum(_jax_reference_f64(q, k, v, b, True) * ct),
+                                     argnums=(0, 1, 2, 3)))(*args)
         ref_grads = [np.asarray(g) for g in ref_grads]
     for g, r, name in zip(grads, ref_grads, "qkvb"):
         assert g.dtype == jnp.float32, name
@@ -764,17 +764,17 @@ def test_gradients_finite_with_fully_masked_rows(impl):
     def loss(q, k, v):
         return jnp.sum(attention(q, k, v, mask=mask, implementation=impl).attention_outputs ** 2)
 
-    gq, gk, gv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    gq, gk, gv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for g in (gq, gk, gv):
         assert np.all(np.isfinite(np.asarray(g)))
     assert np.all(np.asarray(gq)[0, 3] == 0)  # a fully masked query gets no gradient
-    ref = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, mask=mask, implementation="vanilla")
-                                           .attention_outputs ** 2), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, mask=mask, implementation="vanilla")
+                                                   .attention_outputs ** 2), argnums=(0, 1, 2)))(q, k, v)
     for g, r in zip((gq, gk, gv), ref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["vanilla", "sdpa", None])
+@pytest.mark.parametrize("impl", ["vanilla", "sdpa"])
 def test_bhtd_layout_matches_bthd(impl):
     q, k, v = _qkv(27, t=33, s=47, hq=6, hk=2, d=24, dv=24)
     mask = np.random.default_rng(270).random((B, 1, 33, 47)) > 0.3
@@ -789,8 +789,8 @@ def test_bhtd_layout_matches_bthd(impl):
     # gradients agree between layouts too
     loss_bthd = lambda q, k, v: jnp.sum(attention(q, k, v, **kwargs).attention_outputs ** 2)
     loss_bhtd = lambda q, k, v: jnp.sum(attention(q, k, v, layout="BHTD", **kwargs).attention_outputs ** 2)
-    g1 = jax.grad(loss_bthd, argnums=(0, 1, 2))(q, k, v)
-    g2 = jax.grad(loss_bhtd, argnums=(0, 1, 2))(swap(q), swap(k), swap(v))
+    g1 = jax.jit(jax.grad(loss_bthd, argnums=(0, 1, 2)))(q, k, v)
+    g2 = jax.jit(jax.grad(loss_bhtd, argnums=(0, 1, 2)))(swap(q), swap(k), swap(v))
     for a, b in zip(g1, g2):
         np.testing.assert_allclose(np.swapaxes(np.asarray(b), 1, 2), np.asarray(a), atol=1e-5, rtol=1e-5)
 
@@ -849,13 +849,14 @@ def test_mesh_matches_unsharded(mesh22, impl):
     bias = _rand(rng, (1, 4, 33, 40))
     md = AttentionMetadata(mesh=mesh22)
     kwargs = dict(mask=jnp.asarray(mask), bias=jnp.asarray(bias), causal=True, implementation=impl)
-    sharded = attention(q, k, v, metadata=md, **kwargs).attention_outputs
-    plain = attention(q, k, v, **kwargs).attention_outputs
+    sharded = attention(q, k, v, metadata=md, **kwargs).attention_outputs  # eager, under shard_map
+    plain = jax.jit(lambda q, k, v: attention(q, k, v, **kwargs).attention_outputs)(q, k, v)
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(plain), atol=1e-6, rtol=1e-6)
     _close(sharded, np_reference(q, k, v, mask=mask, bias=bias, causal=True)[0])
     assert len(sharded.sharding.device_set) == 4
-    # sliding window and GQA under the mesh too (positions stay global)
-    sharded = attention(q, k, v, metadata=md, sliding_window=(5, 2), implementation=impl).attention_outputs
+    # sliding window and GQA under the mesh too (positions stay global), and inside jit
+    sharded = jax.jit(lambda q, k, v: attention(q, k, v, metadata=md, sliding_window=(5, 2),
+                                                implementation=impl).attention_outputs)(q, k, v)
     _close(sharded, np_reference(q, k, v, window=(5, 2))[0])
 
 

