@@ -5,18 +5,15 @@
 * `to_jax_device` / `to_torch_device`, `to_jax_dtype` / `to_torch_dtype`: mappings.
 * `cache_info`, `clear_cache`, `set_cache_size`: the compiled-executable cache.
 
-Importing this package turns off JAX's 75% GPU preallocation unless XLA_PYTHON_CLIENT_* is set
-(see `bridge.memory`).
+Importing jaxattn turns off JAX's 75% GPU preallocation unless XLA_PYTHON_CLIENT_* is set
+(see `jaxattn.gpu_memory`); `configure_gpu_memory` is re-exported here.
 """
 
-from .memory import configure_gpu_memory
-
-configure_gpu_memory()
-
-from .devices import to_jax_device, to_torch_device  # noqa: E402
-from .dlpack import importable, narrow_broadcast, to_jax, to_torch  # noqa: E402
-from .dtypes import to_jax_dtype, to_torch_dtype  # noqa: E402
-from .torch_op import JaxOp, cache_info, clear_cache, jax_op, set_cache_size  # noqa: E402
+from ..gpu_memory import configure_gpu_memory
+from .devices import to_jax_device, to_torch_device
+from .dlpack import importable, narrow_broadcast, to_jax, to_torch
+from .dtypes import to_jax_dtype, to_torch_dtype
+from .torch_op import JaxOp, cache_info, clear_cache, jax_op, set_cache_size
 
 __all__ = [
     "JaxOp", "cache_info", "clear_cache", "importable", "narrow_broadcast", "configure_gpu_memory", "jax_op", "set_cache_size",

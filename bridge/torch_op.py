@@ -286,7 +286,8 @@ class JaxOp:
                     f"{self.name}: positional argument {pos} is a {type(arg).__name__}; positional arguments "
                     "must be tensors or None (pass Python constants as keyword arguments)."
                 )
-            narrowed, full = narrow_broadcast(arg)
+            # An expanded leaf that requires grad needs per-element gradients: it is copied instead.
+            narrowed, full = (arg, None) if arg.is_leaf and arg.requires_grad else narrow_broadcast(arg)
             tensors.append(narrowed)
             present.append(pos)
             fulls.append(full)

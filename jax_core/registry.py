@@ -27,10 +27,12 @@ class AttentionRegistry:
     def register(cls, impl_cls: ImplT) -> ImplT:
         """Class decorator: registers `impl_cls` under each name of `get_impl_name()`."""
         names = impl_cls.get_impl_name()
-        for name in (names,) if isinstance(names, str) else tuple(names):
+        names = (names,) if isinstance(names, str) else tuple(names)
+        for name in names:  # check every alias before registering any
             existing = cls._impls.get(name)
             if existing is not None and existing is not impl_cls:
                 raise ValueError(f"attention implementation name {name!r} is already taken by {existing.__name__}.")
+        for name in names:
             cls._impls[name] = impl_cls
         return impl_cls
 

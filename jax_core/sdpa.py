@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput
-from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities
+from .capabilities import AttentionInputs, Capabilities
 from .masks import combine_masks, positional_mask
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
@@ -43,7 +43,8 @@ class ScaledDotProductAttn(AttentionImpl):
 
     capabilities = Capabilities(
         platforms=frozenset({"cpu", "gpu", "tpu"}),
-        dtypes=ALL_FLOAT_DTYPES,
+        # jax.nn computes the softmax in float32 whatever the input: float64 would be downcast.
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
         features=frozenset({"causal", "bias", "bool_mask", "gqa", "sliding_window", "backward"}),
     )
 
@@ -55,9 +56,12 @@ class ScaledDotProductAttn(AttentionImpl):
 
     @classmethod
     def extra_reasons(cls, inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:
+        reasons = []
         if inputs.value_head_dim != inputs.head_dim:
-            return [f"value_head_dim={inputs.value_head_dim} != head_dim={inputs.head_dim}"]
-        return []
+            reasons.append(f"value_head_dim={inputs.value_head_dim} != head_dim={inputs.head_dim}")
+        if inputs.platform == "cpu" and inputs.dtype == "float16":
+            reasons.append("float16 on cpu: XLA:CPU cannot run jax.nn's float16 dot precision")
+        return reasons
 
     def _attend(self, query, key, value, bias, mask, causal, sliding_window, implementation):
         md = self.metadata

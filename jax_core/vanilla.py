@@ -44,9 +44,11 @@ def reference_attention(
     b, t, hq, d = query.shape
     s, hk = key.shape[1], key.shape[2]
     groups = hq // hk
-    q = query.reshape(b, t, hk, groups, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=softmax_dtype)
-    logits = logits.astype(softmax_dtype).reshape(b, hq, t, s) * jnp.asarray(scale, softmax_dtype)
+    # Products are taken in the softmax dtype: exact for bf16/fp16 operands, and runnable on every
+    # backend (XLA:CPU has no bf16 x bf16 -> f32 dot).
+    q = query.reshape(b, t, hk, groups, d).astype(softmax_dtype)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, key.astype(softmax_dtype))
+    logits = logits.reshape(b, hq, t, s) * jnp.asarray(scale, softmax_dtype)
     if logits_soft_cap is not None:
         cap = jnp.asarray(logits_soft_cap, softmax_dtype)
         logits = cap * jnp.tanh(logits / cap)
@@ -75,8 +77,8 @@ def reference_attention(
     if dropout_rng is not None and dropout_prob > 0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_prob, probs.shape)
         weights = jnp.where(keep, probs / (1.0 - dropout_prob), 0)
-    weights = weights.reshape(b, hk, groups, t, s).astype(value.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, value, preferred_element_type=softmax_dtype)
+    weights = weights.reshape(b, hk, groups, t, s)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, value.astype(softmax_dtype))
     return out.reshape(b, t, hq, value.shape[-1]).astype(query.dtype), probs
 
 

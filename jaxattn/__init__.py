@@ -9,6 +9,9 @@ Subpackages:
 import os as _os
 
 from ._version import __version__
+from .gpu_memory import configure_gpu_memory
+
+configure_gpu_memory()  # before JAX can start its GPU backend: no 75% preallocation next to torch
 
 # In a source checkout (not installed), the subpackages are the sibling folders of this one.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))

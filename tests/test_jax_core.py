@@ -307,6 +307,14 @@ def test_attention_inputs_from_arrays_features():
                                         causal_alignment="bottom_right")
     assert plain.features == {"causal"}  # bottom-right == top-left when T == S
     assert plain.dtype == "bfloat16"
+    # a bottom-right window needs bottom-right support even without causal (only when T != S)
+    window_br = AttentionInputs.from_arrays(q, k, v, platform="cpu", backend="cpu", sliding_window=(2, 2),
+                                            causal_alignment="bottom_right")
+    assert window_br.features == {"causal_bottom_right", "gqa", "sliding_window"}
+    assert "causal_bottom_right" not in AttentionInputs.from_arrays(
+        sq, sq, sq, platform="cpu", backend="cpu", sliding_window=(2, 2), causal_alignment="bottom_right").features
+    assert "causal_bottom_right" not in AttentionInputs.from_arrays(
+        q, k, v, platform="cpu", backend="cpu", causal_alignment="bottom_right").features
     with pytest.raises(ValueError, match="unknown names"):
         _inputs(features={"telepathy"})
 
@@ -583,19 +591,18 @@ def test_sliding_window_bottom_right_vanilla(window, s):
     _close(out.attention_outputs, np_reference(q, k, v, window=window, causal=True, alignment="bottom_right")[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sdpa.py ScaledDotProductAttn._attend builds the sliding-window mask with "
-    "positional_mask(t, s, causal=causal, sliding_window=...) and drops causal_alignment, and "
-    "AttentionInputs.from_arrays only records the alignment when causal=True; so with causal=False, "
-    "causal_alignment='bottom_right' and T != S, sdpa (also picked automatically on cpu) applies a "
-    "top-left window while vanilla applies the documented bottom-right one",
-)
-@pytest.mark.parametrize("impl", ["sdpa", None])
-def test_sliding_window_bottom_right_sdpa_or_automatic(impl):
+def test_sliding_window_bottom_right_sdpa_falls_back():
+    # sdpa only aligns windows top-left: a bottom-right window (T != S) is not for it, even without causal
     q, k, v = _qkv(10)
-    out = attention(q, k, v, sliding_window=(8, 3), causal_alignment="bottom_right", implementation=impl)
-    _close(out.attention_outputs, np_reference(q, k, v, window=(8, 3), alignment="bottom_right")[0])
+    expected = np_reference(q, k, v, window=(8, 3), alignment="bottom_right")[0]
+    out = attention(q, k, v, sliding_window=(8, 3), causal_alignment="bottom_right")  # automatic -> vanilla
+    _close(out.attention_outputs, expected)
+    with pytest.raises(ValueError, match="causal_bottom_right"):
+        attention(q, k, v, sliding_window=(8, 3), causal_alignment="bottom_right", implementation="sdpa")
+    # with T == S the alignments coincide and sdpa may take it
+    q, k, v = _qkv(10, s=T)
+    out = attention(q, k, v, sliding_window=(8, 3), causal_alignment="bottom_right", implementation="sdpa")
+    _close(out.attention_outputs, np_reference(q, k, v, window=(8, 3))[0])
 
 
 def test_logits_soft_cap_vanilla():

@@ -94,6 +94,11 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         check_mask_shape(attn_mask, (*batch, hq, seq_q, seq_k))
 
+    # A stride-0 leaf that requires grad needs a gradient per element; the bridge would merge its
+    # broadcast dims, so it gets its own memory first.
+    query, key, value = map(_dense_if_broadcast_leaf, (query, key, value))
+    if attn_mask is not None:
+        attn_mask = _dense_if_broadcast_leaf(attn_mask)
     # Fold the N, ... dims into one batch dim; key/value batch dims of size 1 broadcast (zero-copy).
     lead = tuple(batch)
     flat = math.prod(lead)
@@ -113,3 +118,7 @@ def scaled_dot_product_attention(
         platform="cpu" if query.device.type == "cpu" else "gpu",
     )
     return out.reshape(*lead, hq, seq_q, value.shape[-1])
+
+
+def _dense_if_broadcast_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if t.is_leaf and t.requires_grad and 0 in t.stride() else t

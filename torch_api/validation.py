@@ -103,9 +103,13 @@ def check_options(attn_mask, dropout_p, is_causal, scale, query) -> None:
     """Checks dropout_p, is_causal, scale and the mask's type (its shape: `check_mask_shape`)."""
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal={is_causal!r}: expected a bool.")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p={dropout_p!r}: expected a float in [0, 1), got {type(dropout_p).__name__}.")
+    if not 0.0 <= dropout_p < 1.0:
         raise AttentionInputError(f"dropout_p={dropout_p!r}: expected a float in [0, 1).")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale={scale!r}: expected None or a finite float, got {type(scale).__name__}.")
+    if scale is not None and not math.isfinite(scale):
         raise AttentionInputError(f"scale={scale!r}: expected None or a finite float.")
     if attn_mask is None:
         return

@@ -1,7 +1,7 @@
 """GPU memory policy for a process where torch and JAX share a GPU.
 
-JAX preallocates 75% of GPU memory on first use, leaving torch little room. Importing
-`jaxattn.bridge` sets XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX then allocates on demand) unless the
+JAX preallocates 75% of GPU memory on first use, leaving torch little room. Importing `jaxattn`
+(any of its subpackages) sets XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX then allocates on demand) unless the
 user has set any XLA_PYTHON_CLIENT_* variable. It must happen before JAX initialises its GPU
 backend: import jaxattn before running any JAX computation, or set the variables yourself.
 """
