@@ -71,9 +71,18 @@ class _Trace:
     out_type: Optional[type]  # tuple or list when the function returned a sequence, else None
 
 
+class _NonFinite(ast.NodeTransformer):
+    """repr() writes non-finite floats as the names inf and nan; read them back as floats."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in ("inf", "nan"):
+            return ast.copy_location(ast.Constant(float(node.id)), node)
+        return node
+
+
 @functools.lru_cache(maxsize=1024)
 def _parse(spec: str) -> tuple:
-    return ast.literal_eval(spec)
+    return ast.literal_eval(_NonFinite().visit(ast.parse(spec, mode="eval")))
 
 
 def _x64(dtypes: Sequence[torch.dtype]) -> bool:

@@ -405,16 +405,13 @@ def test_register_with_aliases(registry_cleanup):
     assert AttentionRegistry.get("vanilla").__name__ == "VanillaAttn"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="registry.py AttentionRegistry.register is not atomic: names before the clashing alias are "
-    "registered before the ValueError is raised, leaving a half-registered class behind",
-)
 def test_register_failure_leaves_no_partial_registration(registry_cleanup):
     tag = uuid.uuid4().hex[:8]
     with pytest.raises(ValueError, match="already taken"):
         AttentionRegistry.register(_dummy_class((f"fresh_{tag}", "vanilla")))
-    assert f"fresh_{tag}" not in AttentionRegistry.list_implementations()
+    assert f"fresh_{tag}" not in AttentionRegistry.list_implementations()  # registration is atomic
+    fixed = _dummy_class((f"fresh_{tag}",))
+    assert AttentionRegistry.register(fixed) is fixed and AttentionRegistry.get(f"fresh_{tag}") is fixed
 
 
 def test_select_automatic_cpu():
@@ -719,14 +716,31 @@ def _check_float64(impl):
         np.testing.assert_allclose(np.asarray(out), np_reference(q, k, v, causal=True)[0], atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sdpa.py ScaledDotProductAttn declares float64 support but calls jax.nn.dot_product_attention, whose "
-    "XLA path always computes the softmax in float32 (and sdpa ignores metadata.runtime_softmax_dtype), so "
-    "float64 inputs get ~1e-7 error instead of the float64 softmax AttentionMetadata documents",
-)
-def test_float64_sdpa_keeps_float64_precision():
-    _check_float64("sdpa")
+def test_float64_goes_to_vanilla_not_sdpa():
+    # jax.nn computes the softmax in float32, so sdpa does not take float64: automatic selection keeps x64 precision
+    _check_float64(None)
+    q, k, v = _qkv(17, t=20, s=33, d=16)
+    with jax.enable_x64(True):
+        q64 = jnp.asarray(q, jnp.float64)
+        with pytest.raises(ValueError, match="dtype float64 not in"):
+            attention(q64, q64, q64, implementation="sdpa")
+
+
+def test_float16_and_bfloat16_on_cpu():
+    q, k, v = _qkv(29, t=20, s=33, hq=4, hk=2, d=16)
+    expected = np_reference(q, k, v, causal=True)[0]
+    for dtype, impls in ((jnp.bfloat16, ("vanilla", "sdpa", None)), (jnp.float16, ("vanilla", None))):
+        args = [jnp.asarray(x, dtype) for x in (q, k, v)]
+        for impl in impls:
+            out = attention(*args, causal=True, implementation=impl).attention_outputs
+            assert out.dtype == dtype, (dtype, impl)
+            _close(out.astype(jnp.float32), expected, atol=3e-2, rtol=3e-2)
+    # sdpa declines float16 on cpu (XLA:CPU lacks jax.nn's f16 dot precision)
+    with pytest.raises(ValueError, match="float16 on cpu"):
+        attention(*[jnp.asarray(x, jnp.float16) for x in (q, k, v)], implementation="sdpa")
+    assert AttentionRegistry.select(_inputs(dtype="float16")) is AttentionRegistry.get("vanilla")
+    assert AttentionRegistry.select(_inputs(dtype="bfloat16")) is AttentionRegistry.get("sdpa")
+    assert AttentionRegistry.select(_inputs(dtype="float64")) is AttentionRegistry.get("vanilla")
 
 
 def _jax_reference_f64(q, k, v, bias, causal):
@@ -874,6 +888,24 @@ def test_mesh_vanilla_weights_and_sinks(mesh22):
     out, probs = np_reference(q, k, v, sinks=sinks)
     _close(res.attention_outputs, out)
     _close(res.attention_weights, probs)
+
+
+def test_mesh_dropout_vanilla(mesh22):
+    p = 0.5
+    rng = np.random.default_rng(231)
+    q, k = _rand(rng, (2, 8, 4, 8)), _rand(rng, (2, 16, 2, 8))
+    v = np.broadcast_to(np.eye(16, dtype=np.float32)[None, :, None, :], (2, 16, 2, 16)).copy()
+    md = AttentionMetadata(mesh=mesh22, dropout_prob=p)
+    f = jax.jit(lambda q, k, v, key: attention(q, k, v, dropout_rng=key, metadata=md, return_weights=True))
+    r1, r2, r3 = f(q, k, v, jax.random.key(0)), f(q, k, v, jax.random.key(0)), f(q, k, v, jax.random.key(1))
+    o1 = np.asarray(r1.attention_outputs)
+    np.testing.assert_array_equal(o1, np.asarray(r2.attention_outputs))
+    assert not np.array_equal(o1, np.asarray(r3.attention_outputs))
+    dropped, probs = np.swapaxes(o1, 1, 2), np.asarray(r1.attention_weights)
+    _close(probs, np_reference(q, k, v)[1])
+    kept = dropped != 0
+    np.testing.assert_allclose(dropped[kept], probs[kept] / (1 - p), rtol=1e-5)
+    assert abs((~kept).mean() - p) < 0.1
 
 
 def test_mesh_indivisible_heads_or_batch(mesh22):
