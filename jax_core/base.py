@@ -148,6 +148,7 @@ class AttentionImpl(abc.ABC):
         softmax_aux: Optional[jax.Array] = None,
         dropout_rng: Optional[jax.Array] = None,
         return_weights: bool = False,
+        return_lse: bool = False,
         init_bias: Optional[Callable[[], jax.Array]] = None,
         layout: Layout = "BTHD",
     ) -> AttentionOutput:
@@ -168,6 +169,8 @@ class AttentionImpl(abc.ABC):
             softmax_aux: attention sink logits, shape (Hq,) or (Hq, n_sinks).
             dropout_rng: PRNG key; with `metadata.dropout_prob > 0` enables dropout.
             return_weights: also return the (B, Hq, T, S) attention probabilities.
+            return_lse: also return the (B, Hq, T) float32 log-sum-exp of each row's logits
+                (sinks included; -inf for a row with nothing visible).
             init_bias: called for a bias when neither `bias` nor `mask` is given.
             layout: "BTHD" as above, or "BHTD" for (B, H, T, D) query/key/value and output.
 
@@ -190,6 +193,7 @@ class AttentionImpl(abc.ABC):
                 swap(query), swap(key), swap(value), bias=bias, mask=mask, causal=causal,
                 causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                 softmax_aux=softmax_aux, dropout_rng=dropout_rng, return_weights=return_weights,
+                return_lse=return_lse,
             )
             return out.replace(attention_outputs=swap(out.attention_outputs))
         native = (query, key, value)
@@ -203,6 +207,7 @@ class AttentionImpl(abc.ABC):
             causal_alignment=causal_alignment, sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
             dropout=dropout_rng is not None and self.metadata.dropout_prob > 0, return_weights=return_weights,
+            return_lse=return_lse,
         )
         reasons = self.not_supported_reasons(inputs, self.metadata)
         if reasons:
@@ -215,12 +220,13 @@ class AttentionImpl(abc.ABC):
             "rocm": self.forward_rocm,
             "cpu": self.forward_cpu,
         }.get(backend, self.forward_gpu if platform == "gpu" else self.forward_native)
-        return forward(
+        out = forward(
             *native, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
             dropout_rng=dropout_rng if self.metadata.dropout_prob > 0 else None,
             return_weights=return_weights, **({"layout": layout} if len(self.layouts) > 1 else {}),
         )
+        return out if return_lse else out.replace(lse=None)
 
     @abc.abstractmethod
     def forward_native(

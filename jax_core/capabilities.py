@@ -90,6 +90,7 @@ class AttentionInputs:
         softmax_aux: Any = None,
         dropout: bool = False,
         return_weights: bool = False,
+        return_lse: bool = False,
         backward: bool = False,
     ) -> "AttentionInputs":
         """Describes a call on (B, T, H, D) arrays (anything with `.shape` and `.dtype`)."""
@@ -117,6 +118,8 @@ class AttentionInputs:
             features.add("dropout")
         if return_weights:
             features.add("weights")
+        if return_lse:
+            features.add("lse")
         if backward:
             features.add("backward")
         return cls(

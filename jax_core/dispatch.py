@@ -34,6 +34,7 @@ def attention(
     softmax_aux: Optional[jax.Array] = None,
     dropout_rng: Optional[jax.Array] = None,
     return_weights: bool = False,
+    return_lse: bool = False,
     implementation: Optional[Implementation | str | tuple[str, ...]] = None,
     metadata: Optional[AttentionMetadata] = None,
     layout: Layout = "BTHD",
@@ -68,11 +69,11 @@ def attention(
         q_, k_, v_, platform=platform, backend=backend, bias=bias, mask=mask, causal=causal,
         causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         softmax_aux=softmax_aux, dropout=dropout_rng is not None and metadata.dropout_prob > 0,
-        return_weights=return_weights,
+        return_weights=return_weights, return_lse=return_lse,
     )
     impl_cls = AttentionRegistry.select(inputs, metadata, implementation)
     return _instance(impl_cls, metadata)(
         query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-        dropout_rng=dropout_rng, return_weights=return_weights, layout=layout,
+        dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, layout=layout,
     )

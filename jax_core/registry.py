@@ -10,9 +10,15 @@ from .metadata import AttentionMetadata
 
 ImplT = TypeVar("ImplT", bound=type[AttentionImpl])
 
+
+class ImplementationUnavailableError(ValueError, NotImplementedError):
+    """A forced implementation cannot run the call (a ValueError and a NotImplementedError)."""
+
+
 #: Automatic selection order per platform; names not registered are skipped.
 PRIORITIES: dict[str, tuple[str, ...]] = {
-    "gpu": ("flash", "sdpa", "vanilla"),
+    # cuDNN (through sdpa) first; flash takes what cuDNN cannot (soft cap, sinks, bottom-right, ...).
+    "gpu": ("sdpa", "flash", "vanilla"),
     "tpu": ("flash", "sdpa", "vanilla"),
     "cpu": ("sdpa", "vanilla"),
 }
@@ -89,7 +95,9 @@ class AttentionRegistry:
             impl = cls.get(implementation)
             reasons = impl.not_supported_reasons(inputs, metadata)
             if reasons:
-                raise ValueError(f"implementation={implementation!r} cannot run this call: " + "; ".join(reasons) + ".")
+                raise ImplementationUnavailableError(
+                    f"implementation={implementation!r} cannot run this call: " + "; ".join(reasons) + "."
+                )
             return impl
         if implementation is None:
             names = [n for n in PRIORITIES.get(inputs.platform, ("vanilla",)) if n in cls._impls]

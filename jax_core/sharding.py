@@ -32,7 +32,7 @@ def run_sharded(
 
     q/k/v are (B, T, H, D) and are split over the batch and head axes of `metadata.partition_axis`;
     bias and mask are made 4-D and split the same way where they are not broadcast. The body returns
-    the (B, T, Hq, Dv) output, and (B, Hq, T, S) weights too when `with_weights`.
+    the (B, T, Hq, Dv) output, and with `with_weights` also (B, Hq, T, S) weights and the (B, Hq, T) LSE.
     """
     bias, mask = _four_d(bias), _four_d(mask)
     if metadata.mesh is None:
@@ -55,6 +55,6 @@ def run_sharded(
         return body(q, k, v, bias, mask, aux, rng)
 
     in_specs = (qs, ks, vs, bh_spec(bias), bh_spec(mask), None if softmax_aux is None else P(head), None if dropout_rng is None else P())
-    out_specs = (outs, P(batch, head, None, None)) if with_weights else outs
+    out_specs = (outs, P(batch, head, None, None), P(batch, head, None)) if with_weights else outs
     fn = jax.shard_map(sharded_body, mesh=metadata.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     return fn(query, key, value, bias, mask, softmax_aux, dropout_rng)

@@ -35,8 +35,9 @@ def reference_attention(
     softmax_aux: Optional[jax.Array] = None,
     dropout_rng: Optional[jax.Array] = None,
     dropout_prob: float = 0.0,
-) -> tuple[jax.Array, jax.Array]:
-    """Plain attention; returns ((B, T, Hq, Dv) output, (B, Hq, T, S) probabilities before dropout).
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Plain attention; returns the (B, T, Hq, Dv) output, the (B, Hq, T, S) probabilities before
+    dropout and the (B, Hq, T) log-sum-exp of the logits (sinks included, -inf for empty rows).
 
     Arguments as in `AttentionImpl.__call__`; `scale` multiplies q·k, logits and softmax are computed
     in `softmax_dtype`.
@@ -72,6 +73,7 @@ def reference_attention(
     if softmax_aux is not None:
         denom = denom + jnp.sum(jnp.exp(sinks - row_max), axis=-1, keepdims=True)
     probs = exp / jnp.where(denom == 0, 1, denom)
+    lse = (jnp.log(denom) + row_max)[..., 0]  # log(0) = -inf for rows with nothing visible
 
     weights = probs
     if dropout_rng is not None and dropout_prob > 0:
@@ -79,17 +81,17 @@ def reference_attention(
         weights = jnp.where(keep, probs / (1.0 - dropout_prob), 0)
     weights = weights.reshape(b, hk, groups, t, s)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, value.astype(softmax_dtype))
-    return out.reshape(b, t, hq, value.shape[-1]).astype(query.dtype), probs
+    return out.reshape(b, t, hq, value.shape[-1]).astype(query.dtype), probs, lse
 
 
 @AttentionRegistry.register
 class VanillaAttn(AttentionImpl):
-    """Reference attention on every platform; supports every feature except segment ids, varlen, LSE."""
+    """Reference attention on every platform; supports every feature except segment ids and varlen."""
 
     capabilities = Capabilities(
         platforms=frozenset({"cpu", "gpu", "tpu"}),
         dtypes=ALL_FLOAT_DTYPES,
-        features=FEATURES - {"segment_ids", "varlen", "lse"},
+        features=FEATURES - {"segment_ids", "varlen"},
     )
 
     @classmethod
@@ -124,8 +126,8 @@ class VanillaAttn(AttentionImpl):
                 dropout_rng=dropout_rng, dropout_prob=md.dropout_prob,
             )
 
-        out, probs = run_sharded(
+        out, probs, lse = run_sharded(
             attend, md, query, key, value, bias=bias, mask=mask, softmax_aux=softmax_aux,
             dropout_rng=dropout_rng, with_weights=True,
         )
-        return AttentionOutput(attention_outputs=out, attention_weights=probs if return_weights else None)
+        return AttentionOutput(attention_outputs=out, attention_weights=probs if return_weights else None, lse=lse)

@@ -1,0 +1,128 @@
+"""`flash` (alias `flash_attn2`): flash attention with our own kernels.
+
+GPU (CUDA; ROCm goes the same Triton path, untested): Triton forward and backward kernels
+(`kernels/flash_fwd_triton.py`, `kernels/flash_bwd_triton.py`) launched by jax-triton, with a
+custom VJP: online softmax in fp32, the log-sum-exp saved for the backward, never an L x S matrix.
+Features there: both causal alignments, native GQA/MQA, additive bias and bool masks (broadcast
+dims read with stride 0), sliding windows, logits soft cap, attention sinks, head dims up to 256,
+returning the LSE.
+
+TPU: JAX's Pallas TPU flash kernel (`jax.experimental.pallas.ops.tpu.flash_attention`): top-left
+causal or none, bias, equal head counts.
+
+CPU: no flash kernel; forcing `flash` raises with the reasons, automatic selection skips it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .base import AttentionImpl, AttentionOutput
+from .capabilities import AttentionInputs, Capabilities
+from .metadata import AttentionMetadata
+from .registry import AttentionRegistry
+
+_GPU_FEATURES = frozenset(
+    {"causal", "causal_bottom_right", "bias", "bool_mask", "gqa", "sliding_window", "softcap", "sinks", "lse", "backward"}
+)
+_TPU_FEATURES = frozenset({"causal", "bias", "lse", "backward"})
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@AttentionRegistry.register
+class FlashAttn(AttentionImpl):
+    """Flash attention: Triton kernels on GPU, Pallas on TPU; see the module docstring."""
+
+    capabilities = Capabilities(
+        platforms=frozenset({"gpu", "tpu"}),
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        features=_GPU_FEATURES,
+        max_head_dim=256,
+    )
+    layouts = frozenset({"BTHD", "BHTD"})
+
+    @classmethod
+    def get_impl_name(cls) -> tuple[str, ...]:
+        return ("flash", "flash_attn2")
+
+    @classmethod
+    def extra_reasons(cls, inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:
+        reasons = []
+        if inputs.platform == "cpu":
+            reasons.append("no flash kernel on cpu (use 'sdpa' or 'vanilla')")
+        if inputs.platform == "gpu":
+            for module, extra in (("triton", "triton"), ("jax_triton", "jax-triton")):
+                if not _has_module(module):
+                    reasons.append(f"{extra} is not installed (pip install 'jaxattn[gpu]')")
+        if inputs.platform == "tpu":
+            for feature in sorted(inputs.features - _TPU_FEATURES):
+                reasons.append(f"feature {feature!r} not supported by the TPU kernel")
+            if inputs.value_head_dim != inputs.head_dim:
+                reasons.append("value_head_dim != head_dim on TPU")
+        if metadata.mesh is not None:
+            reasons.append("flash does not run under a mesh yet (use 'sdpa' or 'vanilla')")
+        return reasons
+
+    def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
+                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+        raise NotImplementedError("flash has no platform-independent kernel; it runs on GPU (Triton) and TPU (Pallas).")
+
+    def forward_cpu(self, *args, **kwargs) -> AttentionOutput:
+        return self.forward_native(*args, **kwargs)
+
+    def forward_cuda(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
+                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+        from .kernels.flash_jax_triton import FlashConfig, flash_attention_triton
+
+        dtype = jnp.dtype(self.metadata.runtime_dtype) if self.metadata.runtime_dtype else query.dtype
+        query, key, value = (x.astype(dtype) for x in (query, key, value))
+        l_axis = 2 if layout == "BHTD" else 1
+        l, s = query.shape[l_axis], key.shape[l_axis]
+        cfg = FlashConfig(
+            scale=self.metadata.scale_for(query.shape[-1]),
+            causal=causal,
+            diag_offset=s - l if causal_alignment == "bottom_right" else 0,
+            window=tuple(sliding_window) if sliding_window is not None else (-1, -1),
+            softcap=logits_soft_cap,
+            layout=layout,
+        )
+        out, lse = flash_attention_triton(
+            query, key, value, _four_d(bias), None if mask is None else _four_d(mask).astype(jnp.int8),
+            None if softmax_aux is None else _sink_logits(softmax_aux), cfg,
+        )
+        return AttentionOutput(attention_outputs=out, lse=lse)
+
+    def forward_rocm(self, *args, **kwargs) -> AttentionOutput:
+        return self.forward_cuda(*args, **kwargs)
+
+    def forward_tpu(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
+                    logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+        from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention as pallas_flash
+
+        swap = layout == "BTHD"
+        q, k, v = (jnp.swapaxes(x, 1, 2) if swap else x for x in (query, key, value))
+        ab = None
+        if bias is not None:
+            ab = jnp.broadcast_to(_four_d(bias), (q.shape[0], q.shape[1], q.shape[2], k.shape[2])).astype(jnp.float32)
+        out = pallas_flash(q, k, v, ab=ab, causal=causal, sm_scale=self.metadata.scale_for(q.shape[-1]))
+        return AttentionOutput(attention_outputs=jnp.swapaxes(out, 1, 2) if swap else out)
+
+
+def _four_d(x: Optional[jax.Array]) -> Optional[jax.Array]:
+    return None if x is None else x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _sink_logits(softmax_aux: jax.Array) -> jax.Array:
+    """(Hq,) float32 sink logits; several sinks per head merge into one by log-sum-exp."""
+    aux = softmax_aux.astype(jnp.float32)
+    return aux if aux.ndim == 1 else jax.nn.logsumexp(aux, axis=-1)

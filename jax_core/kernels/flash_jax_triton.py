@@ -1,0 +1,270 @@
+"""The Triton flash kernels as a differentiable JAX function, launched with jax-triton.
+
+`flash_attention_triton(q, k, v, ...)` returns (out, lse) and has a custom VJP running the backward
+kernels. jax-triton is imported when a kernel is launched (it needs a GPU build of jaxlib), so this
+module imports on any machine.
+
+Shape legend: B batch, Hq / Hk query / KV heads, L query length, S key length, D / Dv head dims.
+Layout "BHTD" means (B, H, T, D) arrays, "BTHD" (B, T, H, D); the kernels read either through strides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from .flash_bwd_triton import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
+from .flash_fwd_triton import flash_fwd_kernel, fwd_block_sizes, next_power_of_2
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Static settings of one flash call (hashable: part of the JAX trace)."""
+
+    scale: float
+    causal: bool = False
+    diag_offset: int = 0  # S - L for bottom-right alignment, else 0
+    window: tuple[int, int] = (-1, -1)  # (left, right); -1 = unbounded
+    softcap: Optional[float] = None
+    layout: str = "BHTD"
+
+
+def _dims(x: jax.ShapeDtypeStruct | jax.Array, layout: str) -> tuple[int, int, int, int]:
+    """(B, H, T, D) sizes of an array in `layout`."""
+    b, a, c, d = x.shape
+    return (b, a, c, d) if layout == "BHTD" else (b, c, a, d)
+
+
+def _strides(shape: tuple[int, ...], layout: str) -> tuple[int, int, int, int]:
+    """Element strides of a contiguous array, in (B, H, T, D) order; size-1 dims get stride 0."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step if n != 1 else 0)
+        step *= n
+    sb, s1, s2, sd = reversed(strides)
+    return (sb, s1, s2, sd) if layout == "BHTD" else (sb, s2, s1, sd)
+
+
+def _bhls_strides(x: Optional[jax.Array]) -> tuple[int, int, int, int]:
+    """Strides of a (B|1, H|1, L|1, S) bias or mask (size-1 dims broadcast with stride 0)."""
+    if x is None:
+        return (0, 0, 0, 0)
+    return _strides(x.shape, "BHTD")
+
+
+# --- entry kernels: every scalar is a constexpr, outputs follow inputs (jax-triton's convention) ---
+
+
+@triton.jit
+def _fwd_entry(
+    Q, K, V, Bias, Mask, Sinks, Out, Lse,
+    sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
+    skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
+    svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
+    sbb: tl.constexpr, sbh: tl.constexpr, sbm: tl.constexpr, sbn: tl.constexpr,
+    smb: tl.constexpr, smh: tl.constexpr, smm: tl.constexpr, smn: tl.constexpr,
+    sob: tl.constexpr, soh: tl.constexpr, som: tl.constexpr, sod: tl.constexpr,
+    Hq: tl.constexpr, Hk: tl.constexpr, L: tl.constexpr, S: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
+    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
+    diag_offset: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    flash_fwd_kernel(
+        Q, K, V, Bias, Mask, Sinks, Out, Lse,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+        sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
+        Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
+        CAUSAL, HAS_BIAS, HAS_MASK, HAS_SINKS, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+    )
+
+
+@triton.jit
+def _dkdv_entry(
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
+    sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
+    skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
+    svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
+    sbb: tl.constexpr, sbh: tl.constexpr, sbm: tl.constexpr, sbn: tl.constexpr,
+    smb: tl.constexpr, smh: tl.constexpr, smm: tl.constexpr, smn: tl.constexpr,
+    sdob: tl.constexpr, sdoh: tl.constexpr, sdom: tl.constexpr, sdod: tl.constexpr,
+    sdkb: tl.constexpr, sdkh: tl.constexpr, sdkn: tl.constexpr, sdkd: tl.constexpr,
+    sdvb: tl.constexpr, sdvh: tl.constexpr, sdvn: tl.constexpr, sdvd: tl.constexpr,
+    Hq: tl.constexpr, Hk: tl.constexpr, L: tl.constexpr, S: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
+    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
+    diag_offset: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    flash_bwd_dkdv_kernel(
+        Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+        sbb, sbh, sbm, sbn, smb, smh, smm, smn, sdob, sdoh, sdom, sdod,
+        sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+        Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
+        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+    )
+
+
+@triton.jit
+def _dq_entry(
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
+    sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
+    skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
+    svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
+    sbb: tl.constexpr, sbh: tl.constexpr, sbm: tl.constexpr, sbn: tl.constexpr,
+    smb: tl.constexpr, smh: tl.constexpr, smm: tl.constexpr, smn: tl.constexpr,
+    sdob: tl.constexpr, sdoh: tl.constexpr, sdom: tl.constexpr, sdod: tl.constexpr,
+    sdqb: tl.constexpr, sdqh: tl.constexpr, sdqm: tl.constexpr, sdqd: tl.constexpr,
+    sdsb: tl.constexpr, sdsh: tl.constexpr, sdsm: tl.constexpr, sdsn: tl.constexpr,
+    Hq: tl.constexpr, Hk: tl.constexpr, L: tl.constexpr, S: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
+    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
+    diag_offset: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    WRITE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    flash_bwd_dq_kernel(
+        Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+        sbb, sbh, sbm, sbn, smb, smh, smm, smn, sdob, sdoh, sdom, sdod,
+        sdqb, sdqh, sdqm, sdqd, sdsb, sdsh, sdsm, sdsn,
+        Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
+        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+    )
+
+
+def _placeholder(dtype=jnp.float32) -> jax.Array:
+    return jnp.zeros((1,), dtype)
+
+
+def _common(q, k, v, bias, mask, cfg: FlashConfig) -> dict:
+    b, hq, l, d = _dims(q, cfg.layout)
+    _, hk, s, _ = _dims(k, cfg.layout)
+    dv = _dims(v, cfg.layout)[3]
+    meta = dict(
+        zip(("sqb", "sqh", "sqm", "sqd"), _strides(q.shape, cfg.layout)),
+        **dict(zip(("skb", "skh", "skn", "skd"), _strides(k.shape, cfg.layout))),
+        **dict(zip(("svb", "svh", "svn", "svd"), _strides(v.shape, cfg.layout))),
+        **dict(zip(("sbb", "sbh", "sbm", "sbn"), _bhls_strides(bias))),
+        **dict(zip(("smb", "smh", "smm", "smn"), _bhls_strides(mask))),
+        Hq=hq, Hk=hk, L=l, S=s, D=d, Dv=dv, scale=float(cfg.scale),
+        softcap=float(cfg.softcap or 1.0), window_left=cfg.window[0], window_right=cfg.window[1],
+        diag_offset=cfg.diag_offset, CAUSAL=cfg.causal, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+        SOFTCAP=cfg.softcap is not None, BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(dv),
+    )
+    return meta
+
+
+def _forward(q, k, v, bias, mask, sinks, cfg: FlashConfig):
+    import jax_triton as jt
+
+    meta = _common(q, k, v, bias, mask, cfg)
+    b, hq, l = q.shape[0], meta["Hq"], meta["L"]
+    block_m, block_n, num_warps, num_stages = fwd_block_sizes(meta["D"], meta["Dv"], jnp.dtype(q.dtype).itemsize)
+    out_shape = (b, hq, l, meta["Dv"]) if cfg.layout == "BHTD" else (b, l, hq, meta["Dv"])
+    meta.update(zip(("sob", "soh", "som", "sod"), _strides(out_shape, cfg.layout)))
+    out, lse = jt.triton_call(
+        q, k, v,
+        bias if bias is not None else _placeholder(q.dtype),
+        mask if mask is not None else _placeholder(jnp.int8),
+        sinks if sinks is not None else _placeholder(),
+        kernel=_fwd_entry,
+        out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
+        grid=(triton.cdiv(l, block_m), b * hq),
+        num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, **meta,
+    )
+    return out, lse
+
+
+def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds: bool):
+    import jax_triton as jt
+
+    meta = _common(q, k, v, bias, mask, cfg)
+    b = q.shape[0]
+    hq, hk, l, s = meta["Hq"], meta["Hk"], meta["L"], meta["S"]
+    d = meta["D"]
+    block = 64 if d <= 128 else 32
+    do_strides = dict(zip(("sdob", "sdoh", "sdom", "sdod"), _strides(dout.shape, cfg.layout)))
+    placeholders = (
+        bias if bias is not None else _placeholder(q.dtype),
+        mask if mask is not None else _placeholder(jnp.int8),
+    )
+    dk, dv = jt.triton_call(
+        q, k, v, *placeholders, dout, lse, delta,
+        kernel=_dkdv_entry,
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid=(triton.cdiv(s, block), b * hk),
+        num_warps=4 if d <= 64 else 8, num_stages=2,
+        BLOCK_M=block, BLOCK_N=block, **meta, **do_strides,
+        **dict(zip(("sdkb", "sdkh", "sdkn", "sdkd"), _strides(k.shape, cfg.layout))),
+        **dict(zip(("sdvb", "sdvh", "sdvn", "sdvd"), _strides(v.shape, cfg.layout))),
+    )
+    ds_shape = (b, hq, l, s) if write_ds else (1,)
+    dq, ds = jt.triton_call(
+        q, k, v, *placeholders, dout, lse, delta,
+        kernel=_dq_entry,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
+        grid=(triton.cdiv(l, block), b * hq),
+        num_warps=4 if d <= 64 else 8, num_stages=2,
+        WRITE_DS=write_ds, BLOCK_M=block, BLOCK_N=block, **meta, **do_strides,
+        **dict(zip(("sdqb", "sdqh", "sdqm", "sdqd"), _strides(q.shape, cfg.layout))),
+        **dict(zip(("sdsb", "sdsh", "sdsm", "sdsn"), _strides((b, hq, l, s), "BHTD") if write_ds else (0, 0, 0, 0))),
+    )
+    return dq, dk, dv, (ds if write_ds else None)
+
+
+def _reduce_to(grad: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sums a (B, Hq, L, S) gradient over the dims a (B|1, H|1, L|1, S|1) bias broadcast."""
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return jnp.sum(grad, axis=axes, keepdims=True).reshape(shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def flash_attention_triton(q, k, v, bias, mask, sinks, cfg: FlashConfig):
+    """Flash attention by Triton kernels; returns (out, lse).
+
+    Args:
+        q: (B, Hq, L, D) or (B, L, Hq, D) per `cfg.layout`. k: (.., Hk, S, D). v: (.., Hk, S, Dv).
+        bias: None or float (B|1, Hq|1, L|1, S), added to the logits.
+        mask: None or int8 (B|1, Hq|1, L|1, S), 1 = attend.
+        sinks: None or float32 (Hq,) sink logits.
+        cfg: static settings.
+
+    Returns:
+        out in q's layout and dtype, lse (B, Hq, L) float32.
+    """
+    return _forward(q, k, v, bias, mask, sinks, cfg)
+
+
+def _vjp_fwd(q, k, v, bias, mask, sinks, cfg):
+    out, lse = _forward(q, k, v, bias, mask, sinks, cfg)
+    return (out, lse), (q, k, v, bias, mask, sinks, out, lse)
+
+
+def _vjp_bwd(cfg, residuals, cotangents):
+    q, k, v, bias, mask, sinks, out, lse = residuals
+    dout, dlse = cotangents
+    # Delta = rowsum(dO * O) in fp32, minus the LSE cotangent (d lse / d logit = P).
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    if cfg.layout == "BTHD":
+        delta = jnp.swapaxes(delta, 1, 2)
+    delta = delta - dlse
+    dq, dk, dv, ds = _backward(q, k, v, bias, mask, dout, lse, delta, cfg, write_ds=bias is not None)
+    dbias = None if bias is None else _reduce_to(ds, bias.shape).astype(bias.dtype)
+    dsinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(sinks[None, :, None] - lse)  # exp(-inf) = 0 where a row is empty
+        dsinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
+    return dq, dk, dv, dbias, None, dsinks
+
+
+flash_attention_triton.defvjp(_vjp_fwd, _vjp_bwd)
