@@ -69,6 +69,8 @@ class FlashAttn(AttentionImpl):
                 reasons.append(f"feature {feature!r} not supported by the TPU kernel")
             if inputs.value_head_dim != inputs.head_dim:
                 reasons.append("value_head_dim != head_dim on TPU")
+            if inputs.q_len % 128 or inputs.kv_len % 128:
+                reasons.append(f"TPU kernel needs sequence lengths that are multiples of 128, got {inputs.q_len} and {inputs.kv_len}")
         if metadata.mesh is not None:
             reasons.append("flash does not run under a mesh yet (use 'sdpa' or 'vanilla')")
         return reasons
@@ -111,10 +113,12 @@ class FlashAttn(AttentionImpl):
 
         swap = layout == "BTHD"
         q, k, v = (jnp.swapaxes(x, 1, 2) if swap else x for x in (query, key, value))
+        scale = self.metadata.scale_for(q.shape[-1])
         ab = None
-        if bias is not None:
-            ab = jnp.broadcast_to(_four_d(bias), (q.shape[0], q.shape[1], q.shape[2], k.shape[2])).astype(jnp.float32)
-        out = pallas_flash(q, k, v, ab=ab, causal=causal, sm_scale=self.metadata.scale_for(q.shape[-1]))
+        if bias is not None:  # the Pallas kernel adds `ab` before scaling the logits
+            full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            ab = jnp.broadcast_to(_four_d(bias).astype(jnp.float32) / scale, full)
+        out = pallas_flash(q, k, v, ab=ab, causal=causal, sm_scale=scale)
         return AttentionOutput(attention_outputs=jnp.swapaxes(out, 1, 2) if swap else out)
 
 
