@@ -7,38 +7,9 @@ import math
 import pytest
 import torch
 
+from attention_reference import reference
+
 from jaxattn.torch_api import AttentionInputError, flash_attention
-
-
-def reference(q, k, v, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=None, scale=None):
-    """float64 attention with the flash features; returns (out, lse)."""
-    q, k, v = (x.double() for x in (q, k, v))
-    hq, hk = q.shape[1], k.shape[1]
-    k, v = (x.repeat_interleave(hq // hk, dim=1) for x in (k, v))
-    l, s = q.shape[2], k.shape[2]
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
-    logits = (q @ k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    pos = torch.arange(l)[:, None] + (s - l if alignment == "bottom_right" else 0)
-    key = torch.arange(s)[None, :]
-    visible = torch.ones(l, s, dtype=torch.bool)
-    if causal:
-        visible &= key <= pos
-    if window is not None:
-        if window[0] >= 0:
-            visible &= key >= pos - window[0]
-        if window[1] >= 0:
-            visible &= key <= pos + window[1]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        sink = sinks.double().reshape(1, hq, 1, -1).expand(q.shape[0], hq, l, -1)
-        full = torch.cat([logits, sink], dim=-1)
-    else:
-        full = logits
-    lse = torch.logsumexp(full, dim=-1)
-    probs = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
-    return probs @ v, lse
 
 
 def make(gen, *shape, grad=True):

@@ -1,0 +1,126 @@
+"""Flash kernel benchmark through the torch API (steady-state timing, see foundation_gpu.py).
+
+    python benchmarks/flash_gpu.py [--out flash.json] [--quick]
+
+TFLOP/s use flash-attn's convention: 4*B*H*L*S*D forward, halved for causal, x3.5 for
+forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jaxattn.bridge  # noqa: F401,E402
+import jax  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from foundation_gpu import time_torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from jaxattn.torch_api import flash_attention  # noqa: E402
+
+
+def flops(b, h, l, s, d, causal):
+    return 4 * b * h * l * s * d / (2 if causal else 1)
+
+
+def bench_shape(b, h, l, d, causal, iters, extra=None):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    extra = extra or {}
+    sinks = torch.randn(h, device="cuda", requires_grad=True) if extra.get("sinks") else None
+    kw = dict(causal=causal, softcap=extra.get("softcap"), sinks=sinks)
+    f = flops(b, h, l, l, d, causal)
+    row = {"shape": [b, h, l, d], "causal": causal, **{k: v for k, v in extra.items()}}
+
+    def ours_fwd():
+        with torch.no_grad():
+            flash_attention(q, k, v, implementation="flash", **kw)
+
+    def ours_fb():
+        out = flash_attention(q, k, v, implementation="flash", **kw)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    t0 = time.perf_counter()
+    ours_fwd()
+    torch.cuda.synchronize()
+    row["first_call_s"] = time.perf_counter() - t0
+    row["flash_fwd_tflops"] = f / time_torch(ours_fwd, iters=iters) / 1e6
+    row["flash_fwdbwd_tflops"] = 3.5 * f / time_torch(ours_fb, iters=iters) / 1e6
+    if not extra:
+        for name, backend in (("torch_flash", SDPBackend.FLASH_ATTENTION), ("torch_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def t_fwd():
+                with torch.no_grad(), sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            def t_fb():
+                with sdpa_kernel(backend):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                torch.autograd.grad(out, (q, k, v), dout)
+            try:
+                row[f"{name}_fwd_tflops"] = f / time_torch(t_fwd, iters=iters) / 1e6
+                row[f"{name}_fwdbwd_tflops"] = 3.5 * f / time_torch(t_fb, iters=iters) / 1e6
+            except RuntimeError as exc:
+                row[f"{name}_error"] = str(exc)[:160]
+    return row
+
+
+def peak_memory(b, h, l, d):
+    out = {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    for name, fn in (
+        ("flash", lambda: flash_attention(q, k, v, causal=True, implementation="flash")),
+        ("torch_cudnn", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+    ):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            fn().sum().backward()  # warm-up and compile
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn().sum().backward()
+            torch.cuda.synchronize()
+            out[f"{name}_peak_extra_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rows = [bench_shape(2, 16, 8192, 128, True, 5)]
+    if not args.quick:
+        rows += [
+            bench_shape(8, 16, 2048, 128, False, 10),
+            bench_shape(16, 16, 1024, 64, True, 10),
+            bench_shape(2, 16, 8192, 64, True, 5),
+            bench_shape(2, 8, 8192, 256, True, 3),
+            bench_shape(2, 16, 8192, 128, True, 5, {"softcap": 30.0}),
+            bench_shape(2, 16, 8192, 128, True, 5, {"sinks": True}),
+        ]
+    result = {
+        "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__,
+                     "triton": __import__("triton").__version__},
+        "rows": rows,
+    }
+    if not args.quick:
+        result["memory_1x32x16384x128"] = peak_memory(1, 32, 16384, 128)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
