@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .flash_bwd_triton import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
-from .flash_fwd_triton import flash_fwd_kernel, fwd_block_sizes, next_power_of_2
+from .flash_fwd_triton import flash_fwd_kernel, fwd_block_sizes, head_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +158,7 @@ def _common(q, k, v, bias, mask, cfg: FlashConfig) -> dict:
         Hq=hq, Hk=hk, L=l, S=s, D=d, Dv=dv, scale=float(cfg.scale),
         softcap=float(cfg.softcap or 1.0), window_left=cfg.window[0], window_right=cfg.window[1],
         diag_offset=cfg.diag_offset, CAUSAL=cfg.causal, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
-        SOFTCAP=cfg.softcap is not None, BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(dv),
+        SOFTCAP=cfg.softcap is not None, BLOCK_D=head_block(d), BLOCK_DV=head_block(dv),
     )
     return meta
 
@@ -193,6 +193,8 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds:
     hq, hk, l, s = meta["Hq"], meta["Hk"], meta["L"], meta["S"]
     d = meta["D"]
     block = 64 if d <= 128 else 32
+    # 4 warps for fp32 (Triton 3.6 miscompiles some fp32 tiles with 8 warps on Hopper).
+    warps = 4 if d <= 64 or q.dtype == jnp.float32 else 8
     do_strides = dict(zip(("sdob", "sdoh", "sdom", "sdod"), _strides(dout.shape, cfg.layout)))
     placeholders = (
         bias if bias is not None else _placeholder(q.dtype),
@@ -203,7 +205,7 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds:
         kernel=_dkdv_entry,
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(triton.cdiv(s, block), b * hk),
-        num_warps=4 if d <= 64 else 8, num_stages=2,
+        num_warps=warps, num_stages=2,
         BLOCK_M=block, BLOCK_N=block, **meta, **do_strides,
         **dict(zip(("sdkb", "sdkh", "sdkn", "sdkd"), _strides(k.shape, cfg.layout))),
         **dict(zip(("sdvb", "sdvh", "sdvn", "sdvd"), _strides(v.shape, cfg.layout))),
@@ -214,7 +216,7 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds:
         kernel=_dq_entry,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
         grid=(triton.cdiv(l, block), b * hq),
-        num_warps=4 if d <= 64 else 8, num_stages=2,
+        num_warps=warps, num_stages=2,
         WRITE_DS=write_ds, BLOCK_M=block, BLOCK_N=block, **meta, **do_strides,
         **dict(zip(("sdqb", "sdqh", "sdqm", "sdqd"), _strides(q.shape, cfg.layout))),
         **dict(zip(("sdsb", "sdsh", "sdsm", "sdsn"), _strides((b, hq, l, s), "BHTD") if write_ds else (0, 0, 0, 0))),

@@ -1,0 +1,279 @@
+"""Flash-attention forward kernel in Triton (see FLASH_CONTRACT.md, which this file implements).
+
+The kernel imports only `triton` / `triton.language`, so it can be launched by jax-triton on a GPU
+and by tests under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors. It uses only APIs
+present in both Triton 3.6 and 3.9.
+
+Shape legend:
+    B:  batch size.
+    Hq: number of query heads; Hk: number of key/value heads (Hq % Hk == 0; query head h reads
+        KV head h // (Hq // Hk), i.e. GQA / MQA without repeating K and V).
+    L:  query length; S: key/value length.
+    D:  query/key head dim; Dv: value head dim (both <= 256, any value; padded to BLOCK_D /
+        BLOCK_DV, powers of two, with masks).
+
+Tensors (each passed as a pointer plus 4 element strides):
+    Q (B, Hq, L, D), K (B, Hk, S, D), V (B, Hk, S, Dv).
+    Bias (B, Hq, L, S) float, optional; broadcast dims have stride 0.
+    Mask (B, Hq, L, S) int8 (1 = attend), optional; broadcast dims have stride 0.
+    Sinks (Hq,) float32, optional: one extra logit per query head that only joins the denominator.
+    Out (B, Hq, L, Dv) in Q's dtype; Lse (B, Hq, L) float32 contiguous, natural-log LSE.
+
+Algorithm: one program per (query block of BLOCK_M rows, batch * query head). It streams the key
+blocks that the positional rule (causal / sliding window, top-left or bottom-right aligned through
+``diag_offset``) can make visible, in three stages: a masked stage at the left edge, an unmasked
+stage of key blocks that every row of the query block sees entirely, and a masked stage at the
+right edge (the diagonal). Key blocks outside the rule are never loaded. The softmax is online, in
+fp32, in the log2 domain (exp2 with log2(e) folded into the scale): running max ``m_i``, running
+sum ``l_i``, and an fp32 accumulator. A sink starts the recurrence as ``m_i = sink``,
+``l_i = 1``. A row that sees nothing (and has no sink) yields out = 0 and lse = -inf.
+
+Precision: Q·K^T and P·V run in the input dtype with fp32 accumulation; for float32 inputs the dots
+use ``input_precision="tf32x3"`` (close to fp32 accuracy on tensor cores; exact under the
+interpreter).
+"""
+
+import triton
+import triton.language as tl
+
+
+def next_power_of_2(n):
+    """Smallest power of two >= n (1 for n <= 1)."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def head_block(d):
+    """BLOCK_D / BLOCK_DV for a head dim d on a GPU: next_power_of_2(d), at least 16.
+
+    tl.dot needs every dimension >= 16 on NVIDIA GPUs, so tiny head dims (d < 16) are padded to 16
+    (the kernel masks the padding). For d >= 9 this equals next_power_of_2(d).
+    """
+    return max(16, next_power_of_2(d))
+
+
+def fwd_block_sizes(D, Dv, dtype_bytes):
+    """Default launch parameters for an H100: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+
+    Args:
+        D: query/key head dim.
+        Dv: value head dim.
+        dtype_bytes: bytes per element of Q/K/V (2 for fp16/bf16, 4 for fp32).
+
+    Returns:
+        (BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of a small sweep on an H100 with
+        Triton 3.6 (B=4, H=16, L=S=4096; fp16 ~390 / 470 / 490 TFLOP/s non-causal at
+        D = 64 / 128 / 256). They fit the shared-memory budget (K and V tiles are buffered
+        ``num_stages`` deep).
+    """
+    d = max(next_power_of_2(D), next_power_of_2(Dv))
+    if dtype_bytes >= 4:
+        # float32 runs its dots as tf32x3; keep 4 warps (Triton 3.6 miscompiled a float32
+        # 8-warp BLOCK_N=16 variant on an H100).
+        if d <= 64:
+            return 64, 64, 4, 2
+        if d <= 128:
+            return 64, 32, 4, 2
+        return 32, 32, 4, 1
+    if d <= 64:
+        return 128, 64, 4, 3
+    if d <= 128:
+        return 128, 64, 8, 3
+    return 128, 64, 8, 2
+
+
+@triton.jit
+def _tanh(x):
+    # tanh via exp, valid in every Triton version; no overflow (exp of a non-positive number).
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _fwd_stage(
+    acc, l_i, m_i, q,
+    k_ptrs, v_ptrs, bias_ptrs, mask_ptrs,
+    stride_kn, stride_vn, stride_bn, stride_mn,
+    offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+    start, end, S,
+    scale, softcap,
+    MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Accumulates key blocks [start, end) (start a multiple of BLOCK_N) into (acc, l_i, m_i).
+
+    MASKED: apply the positional rule (row_lo <= j < row_hi, which also implies j < S); otherwise
+    every key of every block is known visible and inside [0, S).
+    """
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        if MASKED:
+            col_valid = cols < S
+            kt = tl.load(k_ptrs + start_n * stride_kn, mask=d_mask[:, None] & col_valid[None, :],
+                         other=0.0)
+            rc_mask = row_valid[:, None] & col_valid[None, :]
+        else:
+            kt = tl.load(k_ptrs + start_n * stride_kn, mask=d_mask[:, None], other=0.0)
+            rc_mask = row_valid[:, None]
+        if q.dtype == tl.float32:
+            qk = tl.dot(q, kt, input_precision="tf32x3")
+        else:
+            qk = tl.dot(q, kt)
+        # Scores in the log2 domain: s2 = log2(e) * s.
+        if SOFTCAP:
+            s = softcap * _tanh(qk * (scale / softcap))
+            if HAS_BIAS:
+                bias = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=rc_mask, other=0.0)
+                s += bias.to(tl.float32)
+            s2 = s * 1.4426950408889634
+        elif HAS_BIAS:
+            bias = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=rc_mask, other=0.0)
+            s2 = (qk * scale + bias.to(tl.float32)) * 1.4426950408889634
+        else:
+            s2 = qk * (scale * 1.4426950408889634)
+        if MASKED:
+            visible = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None])
+            if HAS_MASK:
+                mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
+                visible = visible & (mvals != 0)
+            s2 = tl.where(visible, s2, float("-inf"))
+        elif HAS_MASK:
+            mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
+            s2 = tl.where(mvals != 0, s2, float("-inf"))
+        # Online softmax; a row whose running max is still -inf uses 0 as its reference so that
+        # exp2(-inf - ref) = 0 instead of NaN.
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s2 - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=col_valid[:, None] & dv_mask[None, :],
+                        other=0.0)
+        else:
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=dv_mask[None, :], other=0.0)
+        if v.dtype == tl.float32:
+            acc = tl.dot(p, v, acc, input_precision="tf32x3")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_fwd_kernel(
+    Q, K, V, Bias, Mask, Sinks, Out, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    Hq, Hk, L, S, D, Dv,
+    scale, softcap, window_left, window_right, diag_offset,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Flash-attention forward; grid (cdiv(L, BLOCK_M), B * Hq). See FLASH_CONTRACT.md."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    kvh = h // (Hq // Hk)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_valid = offs_m < L
+    d_mask = offs_d < D
+    dv_mask = offs_dv < Dv
+
+    q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh
+              + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    # K is read transposed: a (BLOCK_D, BLOCK_N) tile.
+    k_ptrs = (K + b64 * stride_kb + kvh64 * stride_kh
+              + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd)
+    v_ptrs = (V + b64 * stride_vb + kvh64 * stride_vh
+              + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+    bias_ptrs = Bias + b64 * stride_bb + h64 * stride_bh + offs_m.to(tl.int64)[:, None] * stride_bm
+    mask_ptrs = Mask + b64 * stride_mb + h64 * stride_mh + offs_m.to(tl.int64)[:, None] * stride_mm
+
+    # Positional rule: row i sees keys row_lo(i) <= j < row_hi(i); both bounds are
+    # non-decreasing in i. Window sizes are clamped to S + L (equivalent to unbounded, since
+    # -L <= diag_offset <= S) to keep the int32 arithmetic from overflowing.
+    wl = tl.minimum(window_left, S + L)
+    wr = tl.minimum(window_right, S + L)
+    pos = offs_m + diag_offset
+    row_lo = tl.where(window_left >= 0, pos - wl, 0)
+    row_hi = tl.zeros([BLOCK_M], dtype=tl.int32) + S
+    if CAUSAL:
+        row_hi = tl.minimum(row_hi, pos + 1)
+    row_hi = tl.where(window_right >= 0, tl.minimum(row_hi, pos + wr + 1), row_hi)
+
+    # The same bounds for the first and the last valid row of this query block (scalars).
+    m_last = tl.minimum(m0 + BLOCK_M, L) - 1
+    p_first = m0 + diag_offset
+    p_last = m_last + diag_offset
+    lo_first = tl.where(window_left >= 0, tl.maximum(p_first - wl, 0), 0)
+    lo_last = tl.where(window_left >= 0, tl.maximum(p_last - wl, 0), 0)
+    hi_first = S
+    hi_last = S
+    if CAUSAL:
+        hi_first = tl.minimum(hi_first, p_first + 1)
+        hi_last = tl.minimum(hi_last, p_last + 1)
+    hi_first = tl.where(window_right >= 0, tl.minimum(hi_first, p_first + wr + 1), hi_first)
+    hi_last = tl.where(window_right >= 0, tl.minimum(hi_last, p_last + wr + 1), hi_last)
+
+    # Key blocks: [lo, mid_lo) masked | [mid_lo, mid_hi) fully visible | [mid_hi, hi) masked.
+    lo = (lo_first // BLOCK_N) * BLOCK_N
+    hi = hi_last
+    mid_lo = tl.maximum(((lo_last + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
+    mid_hi = tl.maximum((tl.maximum(hi_first, 0) // BLOCK_N) * BLOCK_N, mid_lo)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if HAS_SINKS:
+        sink2 = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink2
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    acc, l_i, m_i = _fwd_stage(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs,
+        stride_kn, stride_vn, stride_bn, stride_mn,
+        offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        lo, tl.minimum(mid_lo, hi), S, scale, softcap,
+        True, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_N)
+    acc, l_i, m_i = _fwd_stage(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs,
+        stride_kn, stride_vn, stride_bn, stride_mn,
+        offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        mid_lo, mid_hi, S, scale, softcap,
+        False, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_N)
+    acc, l_i, m_i = _fwd_stage(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs,
+        stride_kn, stride_vn, stride_bn, stride_mn,
+        offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        mid_hi, hi, S, scale, softcap,
+        True, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_N)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+
+    o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh
+              + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None] & dv_mask[None, :])
+    tl.store(Lse + pid_bh.to(tl.int64) * L + offs_m, lse, mask=row_valid)
