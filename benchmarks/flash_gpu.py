@@ -74,9 +74,17 @@ def bench_shape(b, h, l, d, causal, iters, extra=None):
 
 
 def peak_memory(b, h, l, d):
+    """Peak extra device memory (MiB) of one forward+backward, each framework's own allocator read:
+    torch's for torch's backends, and torch's plus JAX's for the flash path (JAX owns its buffers)."""
     out = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    jax_device = jax.devices("gpu")[0]
+
+    def jax_in_use():
+        stats = jax_device.memory_stats() or {}
+        return stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0)
+
     for name, fn in (
         ("flash", lambda: flash_attention(q, k, v, causal=True, implementation="flash")),
         ("torch_cudnn", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
@@ -85,10 +93,15 @@ def peak_memory(b, h, l, d):
             fn().sum().backward()  # warm-up and compile
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            torch_base = torch.cuda.memory_allocated()
+            jax_base, jax_peak_before = jax_in_use()
             fn().sum().backward()
             torch.cuda.synchronize()
-            out[f"{name}_peak_extra_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            jax_now, jax_peak = jax_in_use()
+            torch_extra = torch.cuda.max_memory_allocated() - torch_base
+            # JAX's peak counter is process-wide: count it only if this call raised it.
+            jax_extra = max(jax_peak - jax_peak_before, 0) if name == "flash" else 0
+            out[f"{name}_peak_extra_MiB"] = (torch_extra + jax_extra) / 2**20
     return out
 
 
