@@ -20,7 +20,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"triton cannot be imported ({exc!r}); skipping Triton kernel tests",
                 allow_module_level=True)
 
-from jax_core.kernels.flash_fwd_triton import (  # noqa: E402
+from jaxattn.jax_core.kernels.flash_fwd_triton import (  # noqa: E402
     flash_fwd_kernel,
     fwd_block_sizes,
     head_block,
