@@ -33,6 +33,17 @@ class FlashConfig:
     window: tuple[int, int] = (-1, -1)  # (left, right); -1 = unbounded
     softcap: Optional[float] = None
     layout: str = "BHTD"
+    # Backward tiles, ((BLOCK_M, BLOCK_N, num_warps, num_stages) of dK/dV, same of dQ); None: defaults.
+    bwd_tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None
+
+
+def bwd_tiles(d: int, dtype) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """Default backward tiles for head dim `d`: (dK/dV kernel, dQ kernel), each
+    (BLOCK_M, BLOCK_N, num_warps, num_stages). fp32 keeps 4 warps (Triton 3.6 miscompiles some
+    fp32 tiles with 8 warps on Hopper)."""
+    block = 64 if d <= 128 else 32
+    warps = 4 if d <= 64 or jnp.dtype(dtype) == jnp.float32 else 8
+    return (block, block, warps, 2), (block, block, warps, 2)
 
 
 def _dims(x: jax.ShapeDtypeStruct | jax.Array, layout: str) -> tuple[int, int, int, int]:
@@ -191,10 +202,7 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds:
     meta = _common(q, k, v, bias, mask, cfg)
     b = q.shape[0]
     hq, hk, l, s = meta["Hq"], meta["Hk"], meta["L"], meta["S"]
-    d = meta["D"]
-    block = 64 if d <= 128 else 32
-    # 4 warps for fp32 (Triton 3.6 miscompiles some fp32 tiles with 8 warps on Hopper).
-    warps = 4 if d <= 64 or q.dtype == jnp.float32 else 8
+    (kv_m, kv_n, kv_warps, kv_stages), (q_m, q_n, q_warps, q_stages) = cfg.bwd_tiles or bwd_tiles(meta["D"], q.dtype)
     do_strides = dict(zip(("sdob", "sdoh", "sdom", "sdod"), _strides(dout.shape, cfg.layout)))
     placeholders = (
         bias if bias is not None else _placeholder(q.dtype),
@@ -204,9 +212,9 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds:
         q, k, v, *placeholders, dout, lse, delta,
         kernel=_dkdv_entry,
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        grid=(triton.cdiv(s, block), b * hk),
-        num_warps=warps, num_stages=2,
-        BLOCK_M=block, BLOCK_N=block, **meta, **do_strides,
+        grid=(triton.cdiv(s, kv_n), b * hk),
+        num_warps=kv_warps, num_stages=kv_stages,
+        BLOCK_M=kv_m, BLOCK_N=kv_n, **meta, **do_strides,
         **dict(zip(("sdkb", "sdkh", "sdkn", "sdkd"), _strides(k.shape, cfg.layout))),
         **dict(zip(("sdvb", "sdvh", "sdvn", "sdvd"), _strides(v.shape, cfg.layout))),
     )
@@ -215,9 +223,9 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds:
         q, k, v, *placeholders, dout, lse, delta,
         kernel=_dq_entry,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
-        grid=(triton.cdiv(l, block), b * hq),
-        num_warps=warps, num_stages=2,
-        WRITE_DS=write_ds, BLOCK_M=block, BLOCK_N=block, **meta, **do_strides,
+        grid=(triton.cdiv(l, q_m), b * hq),
+        num_warps=q_warps, num_stages=q_stages,
+        WRITE_DS=write_ds, BLOCK_M=q_m, BLOCK_N=q_n, **meta, **do_strides,
         **dict(zip(("sdqb", "sdqh", "sdqm", "sdqd"), _strides(q.shape, cfg.layout))),
         **dict(zip(("sdsb", "sdsh", "sdsm", "sdsn"), _strides((b, hq, l, s), "BHTD") if write_ds else (0, 0, 0, 0))),
     )
