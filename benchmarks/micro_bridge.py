@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import time
+import os
+import sys
 
-import jaxattn.bridge  # noqa: F401
-import jax
-import jax.numpy as jnp
-import torch
-from torch._library import utils as lib_utils
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jaxattn.bridge  # noqa: F401,E402
+import jax  # noqa: E402
+import torch  # noqa: E402
+from foundation_gpu import time_host_loop  # noqa: E402
+from torch._library import utils as lib_utils  # noqa: E402
 
 
-def per_call(fn, n=500):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+def per_call(fn):
+    return time_host_loop(fn, n=500)
 
 
 def main():
