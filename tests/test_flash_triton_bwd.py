@@ -11,9 +11,6 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
 from typing import Optional  # noqa: E402
 
 import pytest  # noqa: E402
@@ -34,20 +31,8 @@ if os.environ["TRITON_INTERPRET"] == "1":
             "own jit helpers (tl.sum, ...) cannot run under the interpreter: set TRITON_INTERPRET=1 "
             "earlier (environment or conftest.py) or run this file on its own")
 
-_KERNELS = pathlib.Path(__file__).resolve().parents[1] / "jax_core" / "kernels" / "flash_bwd_triton.py"
+from jaxattn.jax_core.kernels import flash_bwd_triton as kern  # noqa: E402
 
-
-def _load_kernels():
-    """A fresh copy of the kernel module, decorated while TRITON_INTERPRET=1 (whoever imported the
-    package's copy before this file was collected cannot have switched it to compiled mode)."""
-    spec = importlib.util.spec_from_file_location("_flash_bwd_triton_interpreted", _KERNELS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-kern = _load_kernels()
 
 NEG_INF = float("-inf")
 

@@ -30,20 +30,7 @@ Only APIs shared by Triton 3.6 and 3.9 are used.
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tanh(x):
-    """tanh(x) from exp, overflow-free and accurate near 0 (tl.math.tanh differs across versions).
-
-    Args:
-        x: float32 tensor of any shape.
-
-    Returns:
-        tanh(x), same shape.
-    """
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+from .flash_common_triton import dropout_keep, load_seed, tanh_f32
 
 
 @triton.jit
@@ -103,8 +90,10 @@ def _query_range(n0, L, S, window_left, window_right, diag_offset,
 def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
                  stride_bm, stride_bn, stride_mm, stride_mn,
                  L, S, scale, softcap, window_left, window_right, diag_offset,
+                 qseg, kseg, seed, row0, q_off, k_off, S_mem, dropout_p,
                  CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                 SOFTCAP: tl.constexpr):
+                 SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
+                 FAST_TANH: tl.constexpr):
     """Recomputed probabilities and logit gradients of one (query block, key block) tile.
 
     Args:
@@ -113,16 +102,21 @@ def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
         lse, delta: (BLOCK_M,) float32 per-row log-sum-exp and Delta.
         offs_m: (BLOCK_M,) query rows. offs_n: (BLOCK_N,) keys.
         Bias_bh, Mask_bh: Bias / Mask pointers already offset to this (batch, query head).
+        L, S: this sequence's lengths (offs_m / offs_n are positions within it).
+        qseg, kseg: (BLOCK_M,) / (BLOCK_N,) segment ids, used iff HAS_SEGMENTS.
+        seed, row0, q_off, k_off, S_mem, dropout_p: dropout stream (see `dropout_keep`), used iff
+            DROPOUT; q_off / k_off map positions to memory rows / keys.
 
     Returns:
-        (p, ds_post, ds_pre), each (BLOCK_M, BLOCK_N) float32: P; dS w.r.t. the logit after
+        (p, ds_post, ds_pre), each (BLOCK_M, BLOCK_N) float32: P (times the kept-and-rescaled
+        dropout mask with DROPOUT, i.e. what multiplies V); dS w.r.t. the logit after
         softcap and bias; dS w.r.t. s_raw = scale * q.k (equal to ds_post without SOFTCAP).
         Invisible and out-of-range elements are exactly 0.
     """
     in_bounds = (offs_m[:, None] < L) & (offs_n[None, :] < S)
     s = tl.dot(q, tl.trans(k)) * scale
     if SOFTCAP:
-        t = _tanh(s / softcap)
+        t = tanh_f32(s / softcap, FAST_TANH)
         s = softcap * t
     if HAS_BIAS:
         bias = tl.load(Bias_bh + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
@@ -140,14 +134,22 @@ def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
         keep = tl.load(Mask_bh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
                        mask=in_bounds, other=0)
         vis = vis & (keep != 0)
+    if HAS_SEGMENTS:
+        vis = vis & (qseg[:, None] == kseg[None, :])
     # lse = -inf only where every logit of the row is -inf or invisible: exp(s - 0) is then 0.
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
     p = tl.where(vis, tl.exp(s - lse_safe[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v))
+    if DROPOUT:
+        kept = dropout_keep(seed, row0, q_off + offs_m, k_off + offs_n, S_mem, dropout_p)
+        rescale = 1.0 / (1.0 - dropout_p)
+        dp = tl.where(kept, dp * rescale, 0.0)
     ds_post = p * (dp - delta[:, None])
     ds_pre = ds_post
     if SOFTCAP:
         ds_pre = ds_post * (1.0 - t * t)
+    if DROPOUT:
+        p = tl.where(kept, p * rescale, 0.0)
     return p, ds_post, ds_pre
 
 
@@ -197,6 +199,10 @@ def flash_bwd_dkdv_kernel(
     scale, softcap, window_left, window_right, diag_offset,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SegQ=None, SegK=None, CuQ=None, CuK=None, Seed=None, dropout_p=0.0,
+    HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
+    VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+    FAST_TANH: tl.constexpr = False,
 ):
     """dK and dV of one key block of one (batch, KV head). Grid (cdiv(S, BLOCK_N), B * Hk).
 
@@ -216,6 +222,13 @@ def flash_bwd_dkdv_kernel(
         window_left, window_right: window sides, -1 = unbounded. diag_offset: 0 (top-left) or
             S - L (bottom-right).
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP: feature switches.
+        SegQ, SegK: int32 (B, 3, L) / (B, 3, S) segment tables, read iff HAS_SEGMENTS: row 0 the
+            ids, rows 1-2 for each query (key) the span [lo, hi) of keys (queries) with its id.
+        CuQ, CuK: int32 (N + 1,) cumulative sequence lengths, read iff VARLEN (packed sequences,
+            memory batch 1, grid over N sequences; VARLEN_BOTTOM_RIGHT aligns each one's diagonal
+            bottom-right, else top-left; diag_offset is then ignored).
+        Seed: two int32 words of the dropout seed, read iff DROPOUT; dropout_p: drop probability.
+        FAST_TANH: hardware tanh for the soft cap (NVIDIA only).
         BLOCK_M, BLOCK_N: tile sizes. BLOCK_D, BLOCK_DV: next_power_of_2(D), next_power_of_2(Dv).
     """
     pid_n = tl.program_id(0)
@@ -224,51 +237,94 @@ def flash_bwd_dkdv_kernel(
     hk = pid_bh % Hk
     group = Hq // Hk
     n0 = pid_n * BLOCK_N
+
+    seq_l = L
+    seq_s = S
+    diag = diag_offset
+    q_off = 0
+    k_off = 0
+    if VARLEN:
+        q_off = tl.load(CuQ + b)
+        k_off = tl.load(CuK + b)
+        seq_l = tl.load(CuQ + b + 1) - q_off
+        seq_s = tl.load(CuK + b + 1) - k_off
+        if VARLEN_BOTTOM_RIGHT:
+            diag = seq_s - seq_l
+        else:
+            diag = 0
+        if n0 >= seq_s:
+            return
+
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    n_ok = offs_n < S
+    n_ok = offs_n < seq_s
     d_ok = offs_d < D
     dv_ok = offs_dv < Dv
     hk64 = hk.to(tl.int64)
+    b_mem = b
+    if VARLEN:
+        b_mem = b * 0
+    rows_n = (k_off + offs_n)[:, None]
 
-    k = tl.load(K + b * stride_kb + hk64 * stride_kh + offs_n[:, None] * stride_kn
+    k = tl.load(K + b_mem * stride_kb + hk64 * stride_kh + rows_n * stride_kn
                 + offs_d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V + b * stride_vb + hk64 * stride_vh + offs_n[:, None] * stride_vn
+    v = tl.load(V + b_mem * stride_vb + hk64 * stride_vh + rows_n * stride_vn
                 + offs_dv[None, :] * stride_vd, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
     acc_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     acc_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    lo, hi = _query_range(n0, L, S, window_left, window_right, diag_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, hi = _query_range(n0, seq_l, seq_s, window_left, window_right, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    kseg = offs_n
+    segq_b = SegQ
+    if HAS_SEGMENTS:
+        segk_b = SegK + b * 3 * S
+        kseg = tl.load(segk_b + offs_n, mask=n_ok, other=0)
+        span_lo = tl.min(tl.load(segk_b + S + offs_n, mask=n_ok, other=seq_l), 0)
+        span_hi = tl.max(tl.load(segk_b + 2 * S + offs_n, mask=n_ok, other=0), 0)
+        lo = tl.maximum(lo, (span_lo // BLOCK_M) * BLOCK_M)
+        hi = tl.maximum(tl.minimum(hi, span_hi), lo)
+        segq_b = SegQ + b * 3 * L
+    seed = 0
+    if DROPOUT:
+        seed = load_seed(Seed)
+
     for g in range(0, group):
         h = (hk * group + g).to(tl.int64)
-        Q_bh = Q + b * stride_qb + h * stride_qh
-        dO_bh = dOut + b * stride_dob + h * stride_doh
+        Q_bh = Q + b_mem * stride_qb + h * stride_qh
+        dO_bh = dOut + b_mem * stride_dob + h * stride_doh
         Bias_bh = Bias + b * stride_bb + h * stride_bh
         Mask_bh = Mask + b * stride_mb + h * stride_mh
         row0 = (b * Hq + h) * L
+        if VARLEN:
+            row0 = h * L + q_off
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < L
-            q = tl.load(Q_bh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+            m_ok = offs_m < seq_l
+            rows_m = (q_off + offs_m)[:, None]
+            q = tl.load(Q_bh + rows_m * stride_qm + offs_d[None, :] * stride_qd,
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(dO_bh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+            do = tl.load(dO_bh + rows_m * stride_dom + offs_dv[None, :] * stride_dod,
                          mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
             lse = tl.load(Lse + row0 + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(Delta + row0 + offs_m, mask=m_ok, other=0.0)
+            qseg = offs_m
+            if HAS_SEGMENTS:
+                qseg = tl.load(segq_b + offs_m, mask=m_ok, other=0)
             p, ds_post, ds_pre = _block_grads(
                 q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
                 stride_bm, stride_bn, stride_mm, stride_mn,
-                L, S, scale, softcap, window_left, window_right, diag_offset,
-                CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP)
+                seq_l, seq_s, scale, softcap, window_left, window_right, diag,
+                qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
+                CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
             acc_dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             acc_dk += tl.dot(tl.trans(ds_pre.to(q.dtype)), q)
 
     acc_dk = acc_dk * scale
-    tl.store(dK + b * stride_dkb + hk64 * stride_dkh + offs_n[:, None] * stride_dkn
+    tl.store(dK + b_mem * stride_dkb + hk64 * stride_dkh + rows_n * stride_dkn
              + offs_d[None, :] * stride_dkd, acc_dk.to(dK.dtype.element_ty),
              mask=n_ok[:, None] & d_ok[None, :])
-    tl.store(dV + b * stride_dvb + hk64 * stride_dvh + offs_n[:, None] * stride_dvn
+    tl.store(dV + b_mem * stride_dvb + hk64 * stride_dvh + rows_n * stride_dvn
              + offs_dv[None, :] * stride_dvd, acc_dv.to(dV.dtype.element_ty),
              mask=n_ok[:, None] & dv_ok[None, :])
 
@@ -289,6 +345,10 @@ def flash_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     WRITE_DS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SegQ=None, SegK=None, CuQ=None, CuK=None, Seed=None, dropout_p=0.0,
+    HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
+    VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+    FAST_TANH: tl.constexpr = False,
 ):
     """dQ (and optionally dS) of one query block of one (batch, query head).
 
@@ -309,6 +369,13 @@ def flash_bwd_dq_kernel(
         window_left, window_right: window sides, -1 = unbounded. diag_offset: 0 (top-left) or
             S - L (bottom-right).
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS: feature switches.
+        SegQ, SegK: int32 (B, 3, L) / (B, 3, S) segment tables, read iff HAS_SEGMENTS: row 0 the
+            ids, rows 1-2 for each query (key) the span [lo, hi) of keys (queries) with its id.
+        CuQ, CuK: int32 (N + 1,) cumulative sequence lengths, read iff VARLEN (packed sequences,
+            memory batch 1, grid over N sequences; VARLEN_BOTTOM_RIGHT aligns each one's diagonal
+            bottom-right, else top-left; diag_offset is then ignored).
+        Seed: two int32 words of the dropout seed, read iff DROPOUT; dropout_p: drop probability.
+        FAST_TANH: hardware tanh for the soft cap (NVIDIA only).
         BLOCK_M, BLOCK_N: tile sizes. BLOCK_D, BLOCK_DV: next_power_of_2(D), next_power_of_2(Dv).
     """
     pid_m = tl.program_id(0)
@@ -318,40 +385,81 @@ def flash_bwd_dq_kernel(
     h = h_i.to(tl.int64)
     hk = (h_i // (Hq // Hk)).to(tl.int64)
     m0 = pid_m * BLOCK_M
+
+    seq_l = L
+    seq_s = S
+    diag = diag_offset
+    q_off = 0
+    k_off = 0
+    row0 = (b * Hq + h) * L
+    b_mem = b
+    if VARLEN:
+        q_off = tl.load(CuQ + b)
+        k_off = tl.load(CuK + b)
+        seq_l = tl.load(CuQ + b + 1) - q_off
+        seq_s = tl.load(CuK + b + 1) - k_off
+        if VARLEN_BOTTOM_RIGHT:
+            diag = seq_s - seq_l
+        else:
+            diag = 0
+        row0 = h * L + q_off
+        b_mem = b * 0
+        if m0 >= seq_l:
+            return
+
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < L
+    m_ok = offs_m < seq_l
     d_ok = offs_d < D
     dv_ok = offs_dv < Dv
+    rows_m = (q_off + offs_m)[:, None]
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+    q = tl.load(Q + b_mem * stride_qb + h * stride_qh + rows_m * stride_qm
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(dOut + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+    do = tl.load(dOut + b_mem * stride_dob + h * stride_doh + rows_m * stride_dom
                  + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
-    row0 = (b * Hq + h) * L
     lse = tl.load(Lse + row0 + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(Delta + row0 + offs_m, mask=m_ok, other=0.0)
-    K_bh = K + b * stride_kb + hk * stride_kh
-    V_bh = V + b * stride_vb + hk * stride_vh
+    K_bh = K + b_mem * stride_kb + hk * stride_kh
+    V_bh = V + b_mem * stride_vb + hk * stride_vh
     Bias_bh = Bias + b * stride_bb + h * stride_bh
     Mask_bh = Mask + b * stride_mb + h * stride_mh
     dS_bh = dS + b * stride_dsb + h * stride_dsh
     acc_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, hi = _key_range(m0, L, S, window_left, window_right, diag_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, hi = _key_range(m0, seq_l, seq_s, window_left, window_right, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    qseg = offs_m
+    segk_b = SegK
+    if HAS_SEGMENTS:
+        segq_b = SegQ + b * 3 * L
+        qseg = tl.load(segq_b + offs_m, mask=m_ok, other=0)
+        span_lo = tl.min(tl.load(segq_b + L + offs_m, mask=m_ok, other=seq_s), 0)
+        span_hi = tl.max(tl.load(segq_b + 2 * L + offs_m, mask=m_ok, other=0), 0)
+        lo = tl.maximum(lo, (span_lo // BLOCK_N) * BLOCK_N)
+        hi = tl.maximum(tl.minimum(hi, span_hi), lo)
+        segk_b = SegK + b * 3 * S
+    seed = 0
+    if DROPOUT:
+        seed = load_seed(Seed)
+
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S
-        k = tl.load(K_bh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        n_ok = offs_n < seq_s
+        rows_n = (k_off + offs_n)[:, None]
+        k = tl.load(K_bh + rows_n * stride_kn + offs_d[None, :] * stride_kd,
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V_bh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        v = tl.load(V_bh + rows_n * stride_vn + offs_dv[None, :] * stride_vd,
                     mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        kseg = offs_n
+        if HAS_SEGMENTS:
+            kseg = tl.load(segk_b + offs_n, mask=n_ok, other=0)
         p, ds_post, ds_pre = _block_grads(
             q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
             stride_bm, stride_bn, stride_mm, stride_mn,
-            L, S, scale, softcap, window_left, window_right, diag_offset,
-            CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP)
+            seq_l, seq_s, scale, softcap, window_left, window_right, diag,
+            qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
+            CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
         acc_dq += tl.dot(ds_pre.to(k.dtype), k)
         if WRITE_DS:
             tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn, ds_post,
@@ -371,6 +479,6 @@ def flash_bwd_dq_kernel(
                      mask=m_ok[:, None] & (offs_n[None, :] < S))
 
     acc_dq = acc_dq * scale
-    tl.store(dQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm
+    tl.store(dQ + b_mem * stride_dqb + h * stride_dqh + rows_m * stride_dqm
              + offs_d[None, :] * stride_dqd, acc_dq.to(dQ.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])

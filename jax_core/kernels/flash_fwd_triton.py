@@ -36,6 +36,8 @@ interpreter).
 import triton
 import triton.language as tl
 
+from .flash_common_triton import dropout_keep, load_seed, tanh_f32
+
 
 def next_power_of_2(n):
     """Smallest power of two >= n (1 for n <= 1)."""
@@ -83,28 +85,23 @@ def fwd_block_sizes(D, Dv, dtype_bytes):
 
 
 @triton.jit
-def _tanh(x):
-    # tanh via exp, valid in every Triton version; no overflow (exp of a non-positive number).
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
-
-
-@triton.jit
 def _fwd_stage(
-    acc, l_i, m_i, q,
-    k_ptrs, v_ptrs, bias_ptrs, mask_ptrs,
+    acc, l_i, m_i, q, qseg,
+    k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
     stride_kn, stride_vn, stride_bn, stride_mn,
     offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
     start, end, S,
     scale, softcap,
+    seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
     MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulates key blocks [start, end) (start a multiple of BLOCK_N) into (acc, l_i, m_i).
 
     MASKED: apply the positional rule (row_lo <= j < row_hi, which also implies j < S); otherwise
-    every key of every block is known visible and inside [0, S).
+    every key of every block is known visible and inside [0, S). Bool masks and segment ids are
+    applied in both cases. With DROPOUT, l_i sums every probability but only kept ones reach acc.
     """
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -123,7 +120,7 @@ def _fwd_stage(
             qk = tl.dot(q, kt)
         # Scores in the log2 domain: s2 = log2(e) * s.
         if SOFTCAP:
-            s = softcap * _tanh(qk * (scale / softcap))
+            s = softcap * tanh_f32(qk * (scale / softcap), FAST_TANH)
             if HAS_BIAS:
                 bias = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=rc_mask, other=0.0)
                 s += bias.to(tl.float32)
@@ -138,10 +135,19 @@ def _fwd_stage(
             if HAS_MASK:
                 mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
                 visible = visible & (mvals != 0)
+            if HAS_SEGMENTS:
+                kseg = tl.load(kseg_ptr + cols, mask=col_valid, other=0)
+                visible = visible & (qseg[:, None] == kseg[None, :])
             s2 = tl.where(visible, s2, float("-inf"))
-        elif HAS_MASK:
-            mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
-            s2 = tl.where(mvals != 0, s2, float("-inf"))
+        elif HAS_MASK or HAS_SEGMENTS:
+            visible = rc_mask
+            if HAS_MASK:
+                mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
+                visible = visible & (mvals != 0)
+            if HAS_SEGMENTS:
+                kseg = tl.load(kseg_ptr + cols)
+                visible = visible & (qseg[:, None] == kseg[None, :])
+            s2 = tl.where(visible, s2, float("-inf"))
         # Online softmax; a row whose running max is still -inf uses 0 as its reference so that
         # exp2(-inf - ref) = 0 instead of NaN.
         m_new = tl.maximum(m_i, tl.max(s2, 1))
@@ -150,6 +156,9 @@ def _fwd_stage(
         p = tl.exp2(s2 - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = dropout_keep(seed, drop_row0, drop_rows, k_off + cols, S_mem, dropout_p)
+            p = tl.where(keep, p, 0.0)
         if MASKED:
             v = tl.load(v_ptrs + start_n * stride_vn, mask=col_valid[:, None] & dv_mask[None, :],
                         other=0.0)
@@ -177,8 +186,16 @@ def flash_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    SegQ=None, SegK=None, CuQ=None, CuK=None, Seed=None, dropout_p=0.0,
+    HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
+    VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+    FAST_TANH: tl.constexpr = False,
 ):
-    """Flash-attention forward; grid (cdiv(L, BLOCK_M), B * Hq). See FLASH_CONTRACT.md."""
+    """Flash-attention forward; grid (cdiv(L, BLOCK_M), B * Hq). See FLASH_CONTRACT.md.
+
+    With VARLEN the grid is (cdiv(max_seqlen_q, BLOCK_M), N * Hq) for N packed sequences and the
+    memory batch is 1; L and S are then the packed lengths.
+    """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -187,47 +204,68 @@ def flash_fwd_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     kvh64 = kvh.to(tl.int64)
-
     m0 = pid_m * BLOCK_M
+
+    # Per-sequence view: rows [q_off, q_off + seq_l) of Q, keys [k_off, k_off + seq_s) of K / V.
+    seq_l = L
+    seq_s = S
+    diag = diag_offset
+    q_off = 0
+    k_off = 0
+    row0 = pid_bh.to(tl.int64) * L  # first Lse row of this (batch, head)
+    if VARLEN:
+        q_off = tl.load(CuQ + b)
+        k_off = tl.load(CuK + b)
+        seq_l = tl.load(CuQ + b + 1) - q_off
+        seq_s = tl.load(CuK + b + 1) - k_off
+        if VARLEN_BOTTOM_RIGHT:
+            diag = seq_s - seq_l
+        else:
+            diag = 0
+        row0 = h64 * L + q_off
+        b64 = b64 * 0
+        if m0 >= seq_l:
+            return
+
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_valid = offs_m < L
+    row_valid = offs_m < seq_l
     d_mask = offs_d < D
     dv_mask = offs_dv < Dv
 
-    q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh
-              + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh + (q_off + offs_m)[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
     # K is read transposed: a (BLOCK_D, BLOCK_N) tile.
-    k_ptrs = (K + b64 * stride_kb + kvh64 * stride_kh
-              + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd)
-    v_ptrs = (V + b64 * stride_vb + kvh64 * stride_vh
-              + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+    k_ptrs = (K + b64 * stride_kb + kvh64 * stride_kh + (k_off + offs_n)[None, :] * stride_kn
+              + offs_d[:, None] * stride_kd)
+    v_ptrs = (V + b64 * stride_vb + kvh64 * stride_vh + (k_off + offs_n)[:, None] * stride_vn
+              + offs_dv[None, :] * stride_vd)
     bias_ptrs = Bias + b64 * stride_bb + h64 * stride_bh + offs_m.to(tl.int64)[:, None] * stride_bm
     mask_ptrs = Mask + b64 * stride_mb + h64 * stride_mh + offs_m.to(tl.int64)[:, None] * stride_mm
 
     # Positional rule: row i sees keys row_lo(i) <= j < row_hi(i); both bounds are
     # non-decreasing in i. Window sizes are clamped to S + L (equivalent to unbounded, since
-    # -L <= diag_offset <= S) to keep the int32 arithmetic from overflowing.
-    wl = tl.minimum(window_left, S + L)
-    wr = tl.minimum(window_right, S + L)
-    pos = offs_m + diag_offset
+    # -L <= diag <= S) to keep the int32 arithmetic from overflowing.
+    wl = tl.minimum(window_left, seq_s + seq_l)
+    wr = tl.minimum(window_right, seq_s + seq_l)
+    pos = offs_m + diag
     row_lo = tl.where(window_left >= 0, pos - wl, 0)
-    row_hi = tl.zeros([BLOCK_M], dtype=tl.int32) + S
+    row_hi = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_s
     if CAUSAL:
         row_hi = tl.minimum(row_hi, pos + 1)
     row_hi = tl.where(window_right >= 0, tl.minimum(row_hi, pos + wr + 1), row_hi)
 
     # The same bounds for the first and the last valid row of this query block (scalars).
-    m_last = tl.minimum(m0 + BLOCK_M, L) - 1
-    p_first = m0 + diag_offset
-    p_last = m_last + diag_offset
+    m_last = tl.minimum(m0 + BLOCK_M, seq_l) - 1
+    p_first = m0 + diag
+    p_last = m_last + diag
     lo_first = tl.where(window_left >= 0, tl.maximum(p_first - wl, 0), 0)
     lo_last = tl.where(window_left >= 0, tl.maximum(p_last - wl, 0), 0)
-    hi_first = S
-    hi_last = S
+    hi_first = seq_s
+    hi_last = seq_s
     if CAUSAL:
         hi_first = tl.minimum(hi_first, p_first + 1)
         hi_last = tl.minimum(hi_last, p_last + 1)
@@ -240,6 +278,23 @@ def flash_fwd_kernel(
     mid_lo = tl.maximum(((lo_last + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
     mid_hi = tl.maximum((tl.maximum(hi_first, 0) // BLOCK_N) * BLOCK_N, mid_lo)
 
+    # Segment ids: SegQ (B, 3, L) holds each query's id and the span [k_lo, k_hi) of keys with that
+    # id; key blocks outside the union of the block's spans are skipped.
+    qseg = offs_m
+    kseg_ptr = SegK
+    if HAS_SEGMENTS:
+        segq_b = SegQ + b64 * 3 * L
+        qseg = tl.load(segq_b + offs_m, mask=row_valid, other=0)
+        span_lo = tl.min(tl.load(segq_b + L + offs_m, mask=row_valid, other=seq_s), 0)
+        span_hi = tl.max(tl.load(segq_b + 2 * L + offs_m, mask=row_valid, other=0), 0)
+        lo = tl.maximum(lo, (span_lo // BLOCK_N) * BLOCK_N)
+        hi = tl.maximum(tl.minimum(hi, span_hi), lo)
+        kseg_ptr = SegK + b64 * 3 * S
+
+    seed = 0
+    if DROPOUT:
+        seed = load_seed(Seed)
+
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_SINKS:
         sink2 = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
@@ -250,30 +305,36 @@ def flash_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
         stride_kn, stride_vn, stride_bn, stride_mn,
         offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
-        lo, tl.minimum(mid_lo, hi), S, scale, softcap,
-        True, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_N)
+        lo, tl.minimum(mid_lo, hi), seq_s, scale, softcap,
+        seed, row0, q_off + offs_m, k_off, S, dropout_p,
+        True, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
         stride_kn, stride_vn, stride_bn, stride_mn,
         offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
-        mid_lo, mid_hi, S, scale, softcap,
-        False, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_N)
+        tl.maximum(mid_lo, lo), tl.minimum(mid_hi, hi), seq_s, scale, softcap,
+        seed, row0, q_off + offs_m, k_off, S, dropout_p,
+        False, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
         stride_kn, stride_vn, stride_bn, stride_mn,
         offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
-        mid_hi, hi, S, scale, softcap,
-        True, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_N)
+        tl.maximum(mid_hi, lo), hi, seq_s, scale, softcap,
+        seed, row0, q_off + offs_m, k_off, S, dropout_p,
+        True, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * (1.0 / l_safe)[:, None]
+    inv = 1.0 / l_safe
+    if DROPOUT:
+        inv = inv * (1.0 / (1.0 - dropout_p))
+    out = acc * inv[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
 
-    o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh
-              + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od)
+    o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + (q_off + offs_m)[:, None] * stride_om
+              + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None] & dv_mask[None, :])
-    tl.store(Lse + pid_bh.to(tl.int64) * L + offs_m, lse, mask=row_valid)
+    tl.store(Lse + row0 + offs_m, lse, mask=row_valid)

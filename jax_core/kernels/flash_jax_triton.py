@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,27 @@ class FlashConfig:
     layout: str = "BHTD"
     # Backward tiles, ((BLOCK_M, BLOCK_N, num_warps, num_stages) of dK/dV, same of dQ); None: defaults.
     bwd_tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None
+    dropout_p: float = 0.0  # needs `FlashExtras.seed`
+    # Varlen packing (needs `FlashExtras.cu_seqlens`): (max_seqlen_q, max_seqlen_k) grid bounds.
+    varlen: Optional[tuple[int, int]] = None
+    varlen_bottom_right: bool = False  # per-sequence bottom-right alignment (varlen only)
+    fast_tanh: bool = False  # hardware tanh for the soft cap (NVIDIA; 16-bit inputs only)
+
+
+class FlashExtras(NamedTuple):
+    """Non-differentiable integer inputs of a flash call (each None when unused).
+
+    Attributes:
+        segment_ids: (q_ids (B, L), kv_ids (B, S)) integer arrays; query i sees key j only where
+            the ids are equal.
+        cu_seqlens: (cu_q (N + 1,), cu_k (N + 1,)) int32 offsets of N sequences packed in a batch of
+            1 (varlen); causal / window rules apply per sequence.
+        seed: (2,) int32 dropout seed (Philox key, low word first).
+    """
+
+    segment_ids: Optional[tuple[jax.Array, jax.Array]] = None
+    cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None
+    seed: Optional[jax.Array] = None
 
 
 def bwd_tiles(d: int, dtype) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -80,7 +101,7 @@ def _bhls_strides(x: Optional[jax.Array]) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _fwd_entry(
-    Q, K, V, Bias, Mask, Sinks, Out, Lse,
+    Q, K, V, Bias, Mask, Sinks, SegQ, SegK, CuQ, CuK, Seed, Out, Lse,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -93,6 +114,8 @@ def _fwd_entry(
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
+    VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     flash_fwd_kernel(
         Q, K, V, Bias, Mask, Sinks, Out, Lse,
@@ -100,12 +123,13 @@ def _fwd_entry(
         sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, HAS_SINKS, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+        SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
     )
 
 
 @triton.jit
 def _dkdv_entry(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, dK, dV,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -119,6 +143,8 @@ def _dkdv_entry(
     diag_offset: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
+    VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     flash_bwd_dkdv_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
@@ -127,12 +153,13 @@ def _dkdv_entry(
         sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+        SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
     )
 
 
 @triton.jit
 def _dq_entry(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, dQ, dS,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -147,6 +174,8 @@ def _dq_entry(
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
     WRITE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
+    VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     flash_bwd_dq_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
@@ -155,6 +184,7 @@ def _dq_entry(
         sdqb, sdqh, sdqm, sdqd, sdsb, sdsh, sdsm, sdsn,
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+        SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
     )
 
 
@@ -162,10 +192,53 @@ def _placeholder(dtype=jnp.float32) -> jax.Array:
     return jnp.zeros((1,), dtype)
 
 
-def _common(q, k, v, bias, mask, cfg: FlashConfig) -> dict:
+def _spans(ids: jax.Array, other: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For each id in `ids` (B, L), the span [lo, hi) of positions in `other` (B, S) holding the
+    same id: lo the first, hi one past the last (lo = hi = 0 when absent). Any ids, any order."""
+
+    def one(ids_b, other_b):
+        order = jnp.argsort(other_b, stable=True)
+        ordered = other_b[order]
+        left = jnp.searchsorted(ordered, ids_b, side="left")
+        right = jnp.searchsorted(ordered, ids_b, side="right")
+        found = right > left
+        last = jnp.maximum(right - 1, 0)
+        lo = jnp.where(found, order[jnp.minimum(left, other_b.shape[0] - 1)], 0)
+        hi = jnp.where(found, order[last] + 1, 0)
+        return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+    return jax.vmap(one)(ids, other)
+
+
+def segment_tables(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The kernels' segment tables: SegQ (B, 3, L) = (ids, key span lo, key span hi) and
+    SegK (B, 3, S) = (ids, query span lo, query span hi), int32."""
+    q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    k_lo, k_hi = _spans(q_ids, kv_ids)
+    q_lo, q_hi = _spans(kv_ids, q_ids)
+    return jnp.stack([q_ids, k_lo, k_hi], axis=1), jnp.stack([kv_ids, q_lo, q_hi], axis=1)
+
+
+def _extra_inputs(extras: FlashExtras, seg_tables) -> tuple[jax.Array, ...]:
+    """(SegQ, SegK, CuQ, CuK, Seed) kernel inputs, placeholders for unused ones."""
+    seg_q, seg_k = seg_tables if seg_tables is not None else (_placeholder(jnp.int32),) * 2
+    cu_q, cu_k = (
+        tuple(c.astype(jnp.int32) for c in extras.cu_seqlens)
+        if extras.cu_seqlens is not None else (_placeholder(jnp.int32),) * 2
+    )
+    seed = extras.seed.astype(jnp.int32) if extras.seed is not None else _placeholder(jnp.int32)
+    return seg_q, seg_k, cu_q, cu_k, seed
+
+
+def _common(q, k, v, bias, mask, extras: FlashExtras, cfg: FlashConfig) -> dict:
     b, hq, l, d = _dims(q, cfg.layout)
     _, hk, s, _ = _dims(k, cfg.layout)
     dv = _dims(v, cfg.layout)[3]
+    dropout = cfg.dropout_p > 0
+    if dropout and extras.seed is None:
+        raise ValueError(f"dropout_p={cfg.dropout_p}: FlashExtras.seed is required for dropout.")
+    if (cfg.varlen is not None) != (extras.cu_seqlens is not None):
+        raise ValueError("varlen: FlashConfig.varlen and FlashExtras.cu_seqlens go together.")
     meta = dict(
         zip(("sqb", "sqh", "sqm", "sqd"), _strides(q.shape, cfg.layout)),
         **dict(zip(("skb", "skh", "skn", "skd"), _strides(k.shape, cfg.layout))),
@@ -176,36 +249,60 @@ def _common(q, k, v, bias, mask, cfg: FlashConfig) -> dict:
         softcap=float(cfg.softcap or 1.0), window_left=cfg.window[0], window_right=cfg.window[1],
         diag_offset=cfg.diag_offset, CAUSAL=cfg.causal, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
         SOFTCAP=cfg.softcap is not None, BLOCK_D=head_block(d), BLOCK_DV=head_block(dv),
+        dropout_p=float(cfg.dropout_p), HAS_SEGMENTS=extras.segment_ids is not None,
+        VARLEN=cfg.varlen is not None, VARLEN_BOTTOM_RIGHT=bool(cfg.varlen_bottom_right), DROPOUT=dropout,
+        FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4,
     )
     return meta
 
 
-def _forward(q, k, v, bias, mask, sinks, cfg: FlashConfig):
+def _grid_rows(meta: dict, extras: FlashExtras, cfg: FlashConfig, which: str) -> tuple[int, int]:
+    """(rows to cover along the sequence, number of (sequence, head) programs) for `which` in
+    ("q", "k"): the padded length and B normally; the max sequence length and N with varlen."""
+    heads = meta["Hq"] if which == "q" else meta["Hk"]
+    if cfg.varlen is None:
+        return (meta["L"] if which == "q" else meta["S"]), heads
+    n = extras.cu_seqlens[0].shape[0] - 1
+    bound = cfg.varlen[0] if which == "q" else cfg.varlen[1]
+    full = meta["L"] if which == "q" else meta["S"]
+    return min(int(bound), full), n * heads
+
+
+def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, cfg: FlashConfig):
     import jax_triton as jt
 
-    meta = _common(q, k, v, bias, mask, cfg)
+    meta = _common(q, k, v, bias, mask, extras, cfg)
     b, hq, l = q.shape[0], meta["Hq"], meta["L"]
     block_m, block_n, num_warps, num_stages = fwd_block_sizes(meta["D"], meta["Dv"], jnp.dtype(q.dtype).itemsize)
     out_shape = (b, hq, l, meta["Dv"]) if cfg.layout == "BHTD" else (b, l, hq, meta["Dv"])
     meta.update(zip(("sob", "soh", "som", "sod"), _strides(out_shape, cfg.layout)))
+    rows, programs = _grid_rows(meta, extras, cfg, "q")
+    if cfg.varlen is None:
+        programs *= b
     out, lse = jt.triton_call(
         q, k, v,
         bias if bias is not None else _placeholder(q.dtype),
         mask if mask is not None else _placeholder(jnp.int8),
         sinks if sinks is not None else _placeholder(),
+        *_extra_inputs(extras, seg_tables),
         kernel=_fwd_entry,
         out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
-        grid=(triton.cdiv(l, block_m), b * hq),
+        grid=(triton.cdiv(rows, block_m), programs),
         num_warps=num_warps, num_stages=num_stages,
         HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, **meta,
     )
+    if cfg.varlen is not None:  # rows after the last sequence belong to no program
+        valid = jnp.arange(l) < extras.cu_seqlens[0][-1]
+        out = jnp.where(valid[:, None, None] if cfg.layout == "BTHD" else valid[:, None], out, 0).astype(out.dtype)
+        lse = jnp.where(valid, lse, -jnp.inf)
     return out, lse
 
 
-def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds: bool):
+def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_tables, cfg: FlashConfig,
+              write_ds: bool):
     import jax_triton as jt
 
-    meta = _common(q, k, v, bias, mask, cfg)
+    meta = _common(q, k, v, bias, mask, extras, cfg)
     b = q.shape[0]
     hq, hk, l, s = meta["Hq"], meta["Hk"], meta["L"], meta["S"]
     (kv_m, kv_n, kv_warps, kv_stages), (q_m, q_n, q_warps, q_stages) = cfg.bwd_tiles or bwd_tiles(meta["D"], q.dtype)
@@ -214,11 +311,16 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds:
         bias if bias is not None else _placeholder(q.dtype),
         mask if mask is not None else _placeholder(jnp.int8),
     )
+    extra_inputs = _extra_inputs(extras, seg_tables)
+    k_rows, k_programs = _grid_rows(meta, extras, cfg, "k")
+    q_rows, q_programs = _grid_rows(meta, extras, cfg, "q")
+    if cfg.varlen is None:
+        k_programs, q_programs = k_programs * b, q_programs * b
     dk, dv = jt.triton_call(
-        q, k, v, *placeholders, dout, lse, delta,
+        q, k, v, *placeholders, dout, lse, delta, *extra_inputs,
         kernel=_dkdv_entry,
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        grid=(triton.cdiv(s, kv_n), b * hk),
+        grid=(triton.cdiv(k_rows, kv_n), k_programs),
         num_warps=kv_warps, num_stages=kv_stages,
         BLOCK_M=kv_m, BLOCK_N=kv_n, **meta, **do_strides,
         **dict(zip(("sdkb", "sdkh", "sdkn", "sdkd"), _strides(k.shape, cfg.layout))),
@@ -226,16 +328,28 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, cfg: FlashConfig, write_ds:
     )
     ds_shape = (b, hq, l, s) if write_ds else (1,)
     dq, ds = jt.triton_call(
-        q, k, v, *placeholders, dout, lse, delta,
+        q, k, v, *placeholders, dout, lse, delta, *extra_inputs,
         kernel=_dq_entry,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
-        grid=(triton.cdiv(l, q_m), b * hq),
+        grid=(triton.cdiv(q_rows, q_m), q_programs),
         num_warps=q_warps, num_stages=q_stages,
         WRITE_DS=write_ds, BLOCK_M=q_m, BLOCK_N=q_n, **meta, **do_strides,
         **dict(zip(("sdqb", "sdqh", "sdqm", "sdqd"), _strides(q.shape, cfg.layout))),
         **dict(zip(("sdsb", "sdsh", "sdsm", "sdsn"), _strides((b, hq, l, s), "BHTD") if write_ds else (0, 0, 0, 0))),
     )
+    if cfg.varlen is not None:  # rows / keys after the last sequence belong to no program
+        cu_q, cu_k = extras.cu_seqlens
+        dq = _zero_tail(dq, cu_q[-1], cfg.layout)
+        dk, dv = _zero_tail(dk, cu_k[-1], cfg.layout), _zero_tail(dv, cu_k[-1], cfg.layout)
     return dq, dk, dv, (ds if write_ds else None)
+
+
+def _zero_tail(x: jax.Array, end: jax.Array, layout: str) -> jax.Array:
+    """Zeros the time positions >= `end` of a (1, T, H, D) / (1, H, T, D) array."""
+    t_axis = 1 if layout == "BTHD" else 2
+    valid = jnp.arange(x.shape[t_axis]) < end
+    valid = valid[:, None, None] if layout == "BTHD" else valid[:, None]
+    return jnp.where(valid, x, 0).astype(x.dtype)
 
 
 def _reduce_to(grad: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -244,43 +358,51 @@ def _reduce_to(grad: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.sum(grad, axis=axes, keepdims=True).reshape(shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def flash_attention_triton(q, k, v, bias, mask, sinks, cfg: FlashConfig):
+def _seg_tables(extras: FlashExtras):
+    return None if extras.segment_ids is None else segment_tables(*extras.segment_ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def flash_attention_triton(q, k, v, bias, mask, sinks, extras: FlashExtras, cfg: FlashConfig):
     """Flash attention by Triton kernels; returns (out, lse).
 
     Args:
         q: (B, Hq, L, D) or (B, L, Hq, D) per `cfg.layout`. k: (.., Hk, S, D). v: (.., Hk, S, Dv).
+            With varlen (`cfg.varlen`), B = 1 and L / S are the packed lengths.
         bias: None or float (B|1, Hq|1, L|1, S), added to the logits.
         mask: None or int8 (B|1, Hq|1, L|1, S), 1 = attend.
         sinks: None or float32 (Hq,) sink logits.
+        extras: segment ids, varlen offsets and the dropout seed (`FlashExtras`).
         cfg: static settings.
 
     Returns:
-        out in q's layout and dtype, lse (B, Hq, L) float32.
+        out in q's layout and dtype, lse (B, Hq, L) float32 (-inf on rows that see nothing).
     """
-    return _forward(q, k, v, bias, mask, sinks, cfg)
+    return _forward(q, k, v, bias, mask, sinks, extras, _seg_tables(extras), cfg)
 
 
-def _vjp_fwd(q, k, v, bias, mask, sinks, cfg):
-    out, lse = _forward(q, k, v, bias, mask, sinks, cfg)
-    return (out, lse), (q, k, v, bias, mask, sinks, out, lse)
+def _vjp_fwd(q, k, v, bias, mask, sinks, extras, cfg):
+    seg_tables = _seg_tables(extras)
+    out, lse = _forward(q, k, v, bias, mask, sinks, extras, seg_tables, cfg)
+    return (out, lse), (q, k, v, bias, mask, sinks, extras, seg_tables, out, lse)
 
 
 def _vjp_bwd(cfg, residuals, cotangents):
-    q, k, v, bias, mask, sinks, out, lse = residuals
+    q, k, v, bias, mask, sinks, extras, seg_tables, out, lse = residuals
     dout, dlse = cotangents
     # Delta = rowsum(dO * O) in fp32, minus the LSE cotangent (d lse / d logit = P).
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     if cfg.layout == "BTHD":
         delta = jnp.swapaxes(delta, 1, 2)
     delta = delta - dlse
-    dq, dk, dv, ds = _backward(q, k, v, bias, mask, dout, lse, delta, cfg, write_ds=bias is not None)
+    dq, dk, dv, ds = _backward(q, k, v, bias, mask, dout, lse, delta, extras, seg_tables, cfg,
+                               write_ds=bias is not None)
     dbias = None if bias is None else _reduce_to(ds, bias.shape).astype(bias.dtype)
     dsinks = None
     if sinks is not None:
         p_sink = jnp.exp(sinks[None, :, None] - lse)  # exp(-inf) = 0 where a row is empty
         dsinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
-    return dq, dk, dv, dbias, None, dsinks
+    return dq, dk, dv, dbias, None, dsinks, None
 
 
 flash_attention_triton.defvjp(_vjp_fwd, _vjp_bwd)
