@@ -309,21 +309,21 @@ def flash_fwd_kernel(
         stride_kn, stride_vn, stride_bn, stride_mn,
         offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         lo, tl.minimum(mid_lo, hi), seq_s, scale, softcap,
-        seed, row0, q_off + offs_m, k_off, S, dropout_p,
+        seed, row0 - q_off, q_off + offs_m, k_off, S, dropout_p,
         True, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
     acc, l_i, m_i = _fwd_stage(
         acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
         stride_kn, stride_vn, stride_bn, stride_mn,
         offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         tl.maximum(mid_lo, lo), tl.minimum(mid_hi, hi), seq_s, scale, softcap,
-        seed, row0, q_off + offs_m, k_off, S, dropout_p,
+        seed, row0 - q_off, q_off + offs_m, k_off, S, dropout_p,
         False, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
     acc, l_i, m_i = _fwd_stage(
         acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
         stride_kn, stride_vn, stride_bn, stride_mn,
         offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         tl.maximum(mid_hi, lo), hi, seq_s, scale, softcap,
-        seed, row0, q_off + offs_m, k_off, S, dropout_p,
+        seed, row0 - q_off, q_off + offs_m, k_off, S, dropout_p,
         True, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
 
     empty = l_i == 0.0

@@ -400,7 +400,8 @@ def _vjp_bwd(cfg, residuals, cotangents):
     dbias = None if bias is None else _reduce_to(ds, bias.shape).astype(bias.dtype)
     dsinks = None
     if sinks is not None:
-        p_sink = jnp.exp(sinks[None, :, None] - lse)  # exp(-inf) = 0 where a row is empty
+        # Rows outside every varlen sequence have lse = -inf and no sink weight.
+        p_sink = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(sinks[None, :, None] - lse))
         dsinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
     return dq, dk, dv, dbias, None, dsinks, None
 

@@ -1,0 +1,264 @@
+"""The flash implementation's GPU path (JAX wrapper + custom VJP + Triton kernels) on the CPU.
+
+`jax_triton.triton_call` is replaced by an interpreter stand-in (tests/jax_triton_interpret.py), so
+segment ids, varlen packing and dropout run through exactly the code a GPU runs, on small shapes.
+The oracle is a float64 torch computation of the documented math (dropout: the kernels' own keep
+mask, materialised by `dropout_mask_kernel`, applied in float64).
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+import jax_triton_interpret  # noqa: E402
+from attention_reference import reference  # noqa: E402
+
+from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
+from jaxattn.jax_core.kernels.flash_common_triton import dropout_mask_kernel  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpreted_jax_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+
+
+def _rand(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def _jnp(t):
+    return jnp.asarray(t.numpy().astype(np.float32))
+
+
+def _t(x):
+    return torch.from_numpy(np.asarray(x, dtype=np.float64))
+
+
+def _run(q, k, v, cot, *, extras, cfg, sinks=None):
+    """Flash out, lse and grads (dq, dk, dv, dsinks) of sum(out * cot); torch BHTD in, torch out."""
+    arrays = [_jnp(x) for x in (q, k, v)]
+    if cfg.layout == "BTHD":
+        arrays = [jnp.swapaxes(x, 1, 2) for x in arrays]
+    cot_j = _jnp(cot) if cfg.layout == "BHTD" else jnp.swapaxes(_jnp(cot), 1, 2)
+    sinks_j = None if sinks is None else _jnp(sinks)
+
+    def loss(q, k, v, sinks):
+        out, lse = fj.flash_attention_triton(q, k, v, None, None, sinks, extras, cfg)
+        return jnp.sum(out * cot_j), (out, lse)
+
+    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*arrays, sinks_j)
+    back = (lambda x: x) if cfg.layout == "BHTD" else (lambda x: jnp.swapaxes(x, 1, 2))
+    return _t(back(out)), _t(lse), [_t(back(g)) for g in grads[:3]] + [None if grads[3] is None else _t(grads[3])]
+
+
+def _ref_grads(q, k, v, cot, sinks=None, **kw):
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    s = None if sinks is None else sinks.clone().requires_grad_(True)
+    out, lse = reference(*leaves, sinks=s, **kw)
+    (out * cot).sum().backward()
+    return out.detach(), lse.detach(), [x.grad for x in leaves] + [None if s is None else s.grad]
+
+
+def _close(name, got, want, tol=2e-4):
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite pattern differs"
+    err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+    assert err <= tol * max(1.0, want[finite].abs().max().item()), f"{name}: max error {err}"
+
+
+# --------------------------------------------------------------------------------------------- segments
+
+SEGMENT_PATTERNS = {
+    # packed documents, then padding marked 0 (not sorted)
+    "packed-padded": (lambda l, s: ([1] * 40 + [2] * 70 + [3] * (l - 130) + [0] * 20,
+                                    [1] * 60 + [2] * 50 + [3] * (s - 130) + [0] * 20)),
+    # interleaved ids: spans cover everything, only the equality check separates them
+    "interleaved": (lambda l, s: ([i % 3 for i in range(l)], [(i // 7) % 3 for i in range(s)])),
+    # a query id absent from the keys: those rows see nothing
+    "absent": (lambda l, s: ([5] * 30 + [1] * (l - 30), [1] * s)),
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(SEGMENT_PATTERNS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_ids_forward_and_gradients(pattern, causal):
+    gen = torch.Generator().manual_seed(hash(pattern) % 1000 + causal)
+    B, Hq, Hk, L, S, D = 2, 4, 2, 150, 170, 32
+    q, k, v, cot = _rand(gen, B, Hq, L, D), _rand(gen, B, Hk, S, D), _rand(gen, B, Hk, S, D), _rand(gen, B, Hq, L, D)
+    q_ids, kv_ids = (torch.tensor(x) for x in SEGMENT_PATTERNS[pattern](L, S))
+    q_ids = torch.stack([q_ids, q_ids.roll(9)])  # batch rows differ
+    kv_ids = torch.stack([kv_ids, kv_ids.roll(4)])
+    extras = fj.FlashExtras(segment_ids=(jnp.asarray(q_ids.numpy()), jnp.asarray(kv_ids.numpy())))
+    cfg = fj.FlashConfig(scale=D ** -0.5, causal=causal, diag_offset=S - L, layout="BHTD")
+    out, lse, grads = _run(q, k, v, cot, extras=extras, cfg=cfg)
+    mask = (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    r_out, r_lse, r_grads = _ref_grads(q, k, v, cot, causal=causal, alignment="bottom_right", mask=mask)
+    _close("out", out, r_out)
+    _close("lse", lse, r_lse)
+    for name, g, rg in zip("qkv", grads, r_grads):
+        _close(f"d{name}", g, rg)
+
+
+def test_segment_tables_spans():
+    q_ids = jnp.array([[3, 3, 1, 1, 7]])
+    kv_ids = jnp.array([[1, 3, 1, 3, 0, 0]])
+    seg_q, seg_k = fj.segment_tables(q_ids, kv_ids)
+    # key spans of ids 3, 3, 1, 1 and (absent) 7
+    np.testing.assert_array_equal(seg_q[0], [[3, 3, 1, 1, 7], [1, 1, 0, 0, 0], [4, 4, 3, 3, 0]])
+    np.testing.assert_array_equal(seg_k[0], [[1, 3, 1, 3, 0, 0], [2, 0, 2, 0, 0, 0], [4, 2, 4, 2, 0, 0]])
+
+
+# --------------------------------------------------------------------------------------------- varlen
+
+def _varlen_case(gen, lens_q, lens_k, tail_q, tail_k, Hq=4, Hk=2, D=24, Dv=16):
+    tq, tk = sum(lens_q) + tail_q, sum(lens_k) + tail_k
+    q, k, v = _rand(gen, 1, Hq, tq, D), _rand(gen, 1, Hk, tk, D), _rand(gen, 1, Hk, tk, Dv)
+    cot = _rand(gen, 1, Hq, tq, Dv)
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    return q, k, v, cot, cu_q, cu_k
+
+
+def _varlen_reference(q, k, v, cot, cu_q, cu_k, *, sinks=None, keep=None, dropout_p=0.0, **kw):
+    """Per-sequence float64 reference; rows outside every sequence give 0 / -inf / zero grads."""
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    s = None if sinks is None else sinks.clone().requires_grad_(True)
+    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
+    pieces = []
+    for n in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
+        o, l_ = reference(leaves[0][:, :, qs], leaves[1][:, :, ks], leaves[2][:, :, ks], sinks=s, **kw)
+        if keep is not None:  # redo the output with the kernels' dropout mask
+            qq, kk, vv = leaves[0][:, :, qs], leaves[1][:, :, ks], leaves[2][:, :, ks]
+            probs = _probs(qq, kk, l_, **kw)
+            o = (probs * keep[:, :, qs, ks] / (1 - dropout_p)) @ vv.repeat_interleave(qq.shape[1] // vv.shape[1], 1)
+        pieces.append((qs, o, l_))
+    total = sum((o * cot[:, :, qs]).sum() for qs, o, _ in pieces)
+    total.backward()
+    for qs, o, l_ in pieces:
+        out[:, :, qs] = o.detach()
+        lse[:, :, qs] = l_.detach()
+    grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+    return out, lse, grads + [None if s is None else s.grad]
+
+
+def _probs(q, k, lse, causal=False, alignment="top_left", window=None, softcap=None, scale=None, **_):
+    """Softmax probabilities (sinks folded in through lse) of the reference's logits."""
+    hq, hk = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hk, 1)
+    l, s = q.shape[2], k.shape[2]
+    logits = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    pos = torch.arange(l)[:, None] + (s - l if alignment == "bottom_right" else 0)
+    key = torch.arange(s)[None, :]
+    vis = torch.ones(l, s, dtype=torch.bool)
+    if causal:
+        vis &= key <= pos
+    if window is not None:
+        if window[0] >= 0:
+            vis &= key >= pos - window[0]
+        if window[1] >= 0:
+            vis &= key <= pos + window[1]
+    return torch.exp(logits.masked_fill(~vis, float("-inf")) - lse[..., None]).nan_to_num(0.0)
+
+
+VARLEN_CASES = {
+    "plain": dict(),
+    "causal-top-left": dict(causal=True),
+    "causal-bottom-right": dict(causal=True, alignment="bottom_right"),
+    "window-softcap-sinks": dict(window=(6, 2), alignment="bottom_right", softcap=3.0, sinks=True),
+}
+
+
+@pytest.mark.parametrize("layout", ["BHTD", "BTHD"])
+@pytest.mark.parametrize("case", sorted(VARLEN_CASES))
+def test_varlen_forward_and_gradients(case, layout):
+    kw = dict(VARLEN_CASES[case])
+    gen = torch.Generator().manual_seed(len(case) * 7 + len(layout))
+    lens_q, lens_k = [5, 1, 70, 9], [7, 3, 66, 81]  # L_n != S_n, a length-1 sequence, multi-block ones
+    q, k, v, cot, cu_q, cu_k = _varlen_case(gen, lens_q, lens_k, tail_q=6, tail_k=3)
+    sinks = _rand(gen, q.shape[1]) if kw.pop("sinks", False) else None
+    alignment = kw.get("alignment", "top_left")
+    cfg = fj.FlashConfig(
+        scale=q.shape[-1] ** -0.5, causal=kw.get("causal", False), window=kw.get("window") or (-1, -1),
+        softcap=kw.get("softcap"), layout=layout, varlen=(max(lens_q), max(lens_k)),
+        varlen_bottom_right=alignment == "bottom_right",
+    )
+    extras = fj.FlashExtras(cu_seqlens=(jnp.asarray(cu_q), jnp.asarray(cu_k)))
+    out, lse, grads = _run(q, k, v, cot, extras=extras, cfg=cfg, sinks=sinks)
+    r_out, r_lse, r_grads = _varlen_reference(q, k, v, cot, cu_q, cu_k, sinks=sinks, **kw)
+    _close("out", out, r_out)
+    _close("lse", lse, r_lse)
+    for name, g, rg in zip(["dq", "dk", "dv", "dsinks"], grads, r_grads):
+        if rg is not None:
+            _close(name, g, rg)
+
+
+# --------------------------------------------------------------------------------------------- dropout
+
+def _keep_mask(seed, bh, l, s, p):
+    keep = torch.full((bh, l, s), -1, dtype=torch.int8)
+    dropout_mask_kernel[(triton.cdiv(l, 16), bh)](torch.tensor(seed, dtype=torch.int32), keep, bh, l, s, p,
+                                                  BLOCK_M=16, BLOCK_N=32)
+    return keep.bool()
+
+
+def test_dropout_mask_is_bernoulli_and_seeded():
+    a = _keep_mask([123, 456], 4, 64, 96, 0.3)
+    b = _keep_mask([123, 456], 4, 64, 96, 0.3)
+    c = _keep_mask([124, 456], 4, 64, 96, 0.3)
+    assert torch.equal(a, b)
+    assert (a != c).float().mean() > 0.2
+    assert abs(a.float().mean().item() - 0.7) < 0.02
+    assert abs(a[0].float().mean() - a[3].float().mean()) < 0.05 and not torch.equal(a[0], a[1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_forward_and_gradients(causal):
+    gen = torch.Generator().manual_seed(11 + causal)
+    B, Hq, Hk, L, S, D, p = 2, 2, 1, 97, 75, 32, 0.25
+    q, k, v, cot = _rand(gen, B, Hq, L, D), _rand(gen, B, Hk, S, D), _rand(gen, B, Hk, S, D), _rand(gen, B, Hq, L, D)
+    seed = [987654, -12345]
+    keep = _keep_mask(seed, B * Hq, L, S, p).reshape(B, Hq, L, S)
+    extras = fj.FlashExtras(seed=jnp.asarray(seed, jnp.int32))
+    cfg = fj.FlashConfig(scale=D ** -0.5, causal=causal, dropout_p=p, layout="BHTD")
+    out, lse, grads = _run(q, k, v, cot, extras=extras, cfg=cfg)
+
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    _, r_lse = reference(*leaves, causal=causal)
+    probs = _probs(leaves[0], leaves[1], r_lse, causal=causal)
+    r_out = (probs * keep / (1 - p)) @ leaves[2].repeat_interleave(Hq // Hk, 1)
+    (r_out * cot).sum().backward()
+    _close("out", out, r_out.detach())
+    _close("lse", lse, r_lse.detach())  # dropout never changes the normaliser
+    for name, g, leaf in zip("qkv", grads, leaves):
+        _close(f"d{name}", g, leaf.grad)
+
+
+def test_dropout_with_varlen_uses_packed_coordinates():
+    gen = torch.Generator().manual_seed(5)
+    lens_q, lens_k, p = [20, 45], [33, 45], 0.4
+    q, k, v, cot, cu_q, cu_k = _varlen_case(gen, lens_q, lens_k, tail_q=0, tail_k=0, Hq=2, Hk=2)
+    seed = [42, 7]
+    keep = _keep_mask(seed, q.shape[1], q.shape[2], k.shape[2], p).reshape(1, q.shape[1], q.shape[2], k.shape[2])
+    cfg = fj.FlashConfig(scale=q.shape[-1] ** -0.5, causal=True, layout="BTHD", varlen=(64, 64),
+                         varlen_bottom_right=True, dropout_p=p)
+    extras = fj.FlashExtras(cu_seqlens=(jnp.asarray(cu_q), jnp.asarray(cu_k)), seed=jnp.asarray(seed, jnp.int32))
+    out, lse, grads = _run(q, k, v, cot, extras=extras, cfg=cfg)
+    r_out, r_lse, r_grads = _varlen_reference(q, k, v, cot, cu_q, cu_k, keep=keep, dropout_p=p, causal=True,
+                                              alignment="bottom_right")
+    _close("out", out, r_out)
+    _close("lse", lse, r_lse)
+    for name, g, rg in zip(["dq", "dk", "dv"], grads, r_grads):
+        _close(name, g, rg)
