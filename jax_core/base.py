@@ -151,6 +151,9 @@ class AttentionImpl(abc.ABC):
         return_lse: bool = False,
         init_bias: Optional[Callable[[], jax.Array]] = None,
         layout: Layout = "BTHD",
+        segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
+        cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None,
+        max_seqlen: Optional[tuple[int, int]] = None,
     ) -> AttentionOutput:
         """Runs attention on (B, T, Hq, D) query, (B, S, Hk, D) key and (B, S, Hk, Dv) value.
 
@@ -173,12 +176,28 @@ class AttentionImpl(abc.ABC):
                 (sinks included; -inf for a row with nothing visible).
             init_bias: called for a bias when neither `bias` nor `mask` is given.
             layout: "BTHD" as above, or "BHTD" for (B, H, T, D) query/key/value and output.
+            segment_ids: (q_segment_ids (B, T), kv_segment_ids (B, S)) integer arrays: query i of
+                batch b sees key j only where q_segment_ids[b, i] == kv_segment_ids[b, j], on top of
+                causality, window and mask (positions stay global). Any integers, not necessarily
+                sorted or contiguous; implementations receive them as int32.
+            cu_seqlens: (cu_seqlens_q (N + 1,), cu_seqlens_k (N + 1,)) integer cumulative lengths of
+                N sequences packed back to back in a batch of 1 (query (1, Tq, Hq, D), key/value
+                (1, Tk, Hk, D|Dv)): sequence n holds queries [cu_q[n], cu_q[n + 1]) and keys
+                [cu_k[n], cu_k[n + 1]), and a query sees only keys of its own sequence. Causality
+                and windows use positions local to each sequence; "bottom_right" uses the diagonal
+                offset len_k(n) - len_q(n) of each sequence. Query rows at or beyond cu_q[N]
+                output 0 (LSE -inf). Implementations receive them as int32. Exclusive with
+                `segment_ids`.
+            max_seqlen: (max_seqlen_q, max_seqlen_k) static Python ints >= 1 bounding the
+                per-sequence lengths (kernels size their grids by them); None: unknown (Tq, Tk
+                bound them). Only with `cu_seqlens`.
 
         Returns:
             AttentionOutput with `attention_outputs` of shape (B, T, Hq, Dv).
 
         Raises:
-            ValueError: when this implementation cannot run the call (lists every reason).
+            ValueError: when this implementation cannot run the call (lists every reason), or the
+                inputs are malformed.
         """
         if bias is None and mask is None and init_bias is not None:
             bias = init_bias()
@@ -193,13 +212,15 @@ class AttentionImpl(abc.ABC):
                 swap(query), swap(key), swap(value), bias=bias, mask=mask, causal=causal,
                 causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                 softmax_aux=softmax_aux, dropout_rng=dropout_rng, return_weights=return_weights,
-                return_lse=return_lse,
+                return_lse=return_lse, segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             )
             return out.replace(attention_outputs=swap(out.attention_outputs))
         native = (query, key, value)
         if layout == "BHTD":  # describe the call in (B, T, H, D) terms
             query, key, value = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype) for x in native)
         _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, sliding_window)
+        _check_packing(query, key, segment_ids, cu_seqlens, max_seqlen)
+        segment_ids, cu_seqlens = _as_int32(segment_ids), _as_int32(cu_seqlens)
         platform = self.metadata.platform or platform_of(query, key, value)
         backend = self.metadata.backend or backend_of(platform)
         inputs = AttentionInputs.from_arrays(
@@ -207,7 +228,7 @@ class AttentionImpl(abc.ABC):
             causal_alignment=causal_alignment, sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
             dropout=dropout_rng is not None and self.metadata.dropout_prob > 0, return_weights=return_weights,
-            return_lse=return_lse,
+            return_lse=return_lse, segment_ids=segment_ids is not None, varlen=cu_seqlens is not None,
         )
         reasons = self.not_supported_reasons(inputs, self.metadata)
         if reasons:
@@ -224,7 +245,9 @@ class AttentionImpl(abc.ABC):
             *native, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
             dropout_rng=dropout_rng if self.metadata.dropout_prob > 0 else None,
-            return_weights=return_weights, **({"layout": layout} if len(self.layouts) > 1 else {}),
+            return_weights=return_weights, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+            max_seqlen=None if max_seqlen is None else tuple(max_seqlen),
+            **({"layout": layout} if len(self.layouts) > 1 else {}),
         )
         return out if return_lse else out.replace(lse=None)
 
@@ -244,8 +267,12 @@ class AttentionImpl(abc.ABC):
         softmax_aux: Optional[jax.Array],
         dropout_rng: Optional[jax.Array],
         return_weights: bool,
+        segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
+        cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None,
+        max_seqlen: Optional[tuple[int, int]] = None,
     ) -> AttentionOutput:
-        """Platform-independent forward; arguments as in `__call__`."""
+        """Platform-independent forward; arguments as in `__call__` (segment ids and cu_seqlens
+        as int32 arrays, given only when the capabilities declare "segment_ids" / "varlen")."""
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> AttentionOutput:
         return self.forward_native(*args, **kwargs)
@@ -308,3 +335,57 @@ def _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, 
     if sliding_window is not None:
         if len(sliding_window) != 2 or any(not isinstance(w, int) or w < -1 for w in sliding_window):
             raise ValueError(f"sliding_window={sliding_window!r}: expected (left, right) ints >= -1.")
+
+
+def _shape_of(x: Any) -> Any:
+    return tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
+
+
+def _is_int_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def _as_pair(name: str, value: Any, what: str) -> tuple[Any, Any]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name}: expected a pair {what}, got {type(value).__name__} {value!r:.80}.")
+    return tuple(value)
+
+
+def _check_packing(query, key, segment_ids, cu_seqlens, max_seqlen) -> None:
+    """Checks segment ids, cu_seqlens and max_seqlen against (B, T, ...) query and (B, S, ...) key."""
+    b, t, s = query.shape[0], query.shape[1], key.shape[1]
+    if segment_ids is not None and cu_seqlens is not None:
+        raise ValueError("segment_ids and cu_seqlens were both given; pass one (segments within a batch row, "
+                         "or varlen sequences packed in a batch of 1).")
+    if segment_ids is not None:
+        ids = _as_pair("segment_ids", segment_ids, "(q_segment_ids (B, T), kv_segment_ids (B, S))")
+        for name, x, want in (("q_segment_ids", ids[0], (b, t)), ("kv_segment_ids", ids[1], (b, s))):
+            if not _is_int_array(x) or tuple(x.shape) != want:
+                raise ValueError(
+                    f"segment_ids: {name} has shape {_shape_of(x)} and dtype {getattr(x, 'dtype', None)}; "
+                    f"expected an integer array of shape {want} (B, {'T' if name[0] == 'q' else 'S'})."
+                )
+    if cu_seqlens is not None:
+        cu = _as_pair("cu_seqlens", cu_seqlens, "(cu_seqlens_q (N + 1,), cu_seqlens_k (N + 1,))")
+        for name, x in zip(("cu_seqlens_q", "cu_seqlens_k"), cu):
+            if not _is_int_array(x) or x.ndim != 1 or x.shape[0] < 2:
+                raise ValueError(
+                    f"cu_seqlens: {name} has shape {_shape_of(x)} and dtype {getattr(x, 'dtype', None)}; "
+                    "expected a 1-D integer array of N + 1 >= 2 cumulative lengths."
+                )
+        if cu[0].shape != cu[1].shape:
+            raise ValueError(f"cu_seqlens: cu_seqlens_q {tuple(cu[0].shape)} and cu_seqlens_k "
+                             f"{tuple(cu[1].shape)} must have the same length N + 1.")
+        if b != 1:
+            raise ValueError(f"cu_seqlens: needs a batch of 1 holding the packed sequences, got batch={b} "
+                             "(reshape to (1, total, H, D)).")
+    if max_seqlen is not None:
+        pair = _as_pair("max_seqlen", max_seqlen, "(max_seqlen_q, max_seqlen_k) of ints")
+        if cu_seqlens is None:
+            raise ValueError(f"max_seqlen={max_seqlen!r}: only meaningful with cu_seqlens.")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in pair):
+            raise ValueError(f"max_seqlen={max_seqlen!r}: expected (max_seqlen_q, max_seqlen_k) Python ints >= 1.")
+
+
+def _as_int32(pair: Optional[tuple[Any, Any]]) -> Optional[tuple[jax.Array, jax.Array]]:
+    return None if pair is None else tuple(jnp.asarray(x).astype(jnp.int32) for x in pair)

@@ -31,8 +31,8 @@ FEATURES = frozenset(
         "sliding_window",
         "softcap",  # logits soft cap: cap * tanh(s / cap)
         "sinks",  # per-head attention sink logits (softmax_aux)
-        "segment_ids",
-        "varlen",
+        "segment_ids",  # (q_ids, kv_ids): queries see only keys with the same id
+        "varlen",  # several sequences packed along T and S (cu_seqlens)
         "lse",  # return the log-sum-exp of each row
         "weights",  # return the attention probabilities
         "backward",  # differentiable
@@ -92,12 +92,19 @@ class AttentionInputs:
         return_weights: bool = False,
         return_lse: bool = False,
         backward: bool = False,
+        segment_ids: bool = False,
+        varlen: bool = False,
     ) -> "AttentionInputs":
-        """Describes a call on (B, T, H, D) arrays (anything with `.shape` and `.dtype`)."""
+        """Describes a call on (B, T, H, D) arrays (anything with `.shape` and `.dtype`).
+
+        `segment_ids` and `varlen` say whether segment ids / cu_seqlens are given. With `varlen`,
+        a bottom-right alignment counts as "causal_bottom_right" even when T == S, since the
+        packed sequences may each have L != S.
+        """
         b, t, hq, d = query.shape
         _, s, hk, _ = key.shape
         features = set()
-        bottom_right = causal_alignment == "bottom_right" and t != s
+        bottom_right = causal_alignment == "bottom_right" and (t != s or varlen)
         if causal:
             features.add("causal_bottom_right" if bottom_right else "causal")
         elif bottom_right and sliding_window is not None:
@@ -122,6 +129,10 @@ class AttentionInputs:
             features.add("lse")
         if backward:
             features.add("backward")
+        if segment_ids:
+            features.add("segment_ids")
+        if varlen:
+            features.add("varlen")
         return cls(
             batch=b,
             q_len=t,

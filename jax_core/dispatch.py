@@ -38,6 +38,9 @@ def attention(
     implementation: Optional[Implementation | str | tuple[str, ...]] = None,
     metadata: Optional[AttentionMetadata] = None,
     layout: Layout = "BTHD",
+    segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
+    cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None,
+    max_seqlen: Optional[tuple[int, int]] = None,
 ) -> AttentionOutput:
     """Attention on (B, T, Hq, D) / (B, S, Hk, D) / (B, S, Hk, Dv) arrays by a registered implementation.
 
@@ -47,6 +50,14 @@ def attention(
         metadata: settings; defaults to `AttentionMetadata()` (scale 1/sqrt(D), no dropout).
         layout: "BTHD", or "BHTD" for (B, H, T, D) query/key/value and output (implementations
             that take it natively avoid the transposes).
+
+    Packing (see `AttentionImpl.__call__` for the full rules):
+        segment_ids: (q_segment_ids (B, T), kv_segment_ids (B, S)) integer arrays; query i of batch
+            b sees key j only where the ids are equal.
+        cu_seqlens: (cu_seqlens_q (N + 1,), cu_seqlens_k (N + 1,)) integer arrays; N sequences
+            packed in a batch of 1, causality and windows local to each sequence.
+        max_seqlen: static (max_seqlen_q, max_seqlen_k) ints bounding the per-sequence lengths, or
+            None; only with `cu_seqlens`.
 
     Returns:
         AttentionOutput; `attention_outputs` has shape (B, T, Hq, Dv).
@@ -69,11 +80,13 @@ def attention(
         q_, k_, v_, platform=platform, backend=backend, bias=bias, mask=mask, causal=causal,
         causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         softmax_aux=softmax_aux, dropout=dropout_rng is not None and metadata.dropout_prob > 0,
-        return_weights=return_weights, return_lse=return_lse,
+        return_weights=return_weights, return_lse=return_lse, segment_ids=segment_ids is not None,
+        varlen=cu_seqlens is not None,
     )
     impl_cls = AttentionRegistry.select(inputs, metadata, implementation)
     return _instance(impl_cls, metadata)(
         query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
         dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, layout=layout,
+        segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
     )

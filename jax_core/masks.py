@@ -1,4 +1,5 @@
-"""Visibility masks built from positions (causal alignment, sliding window).
+"""Visibility masks built from positions (causal alignment, sliding window), segment ids and
+varlen packing.
 
 Shape legend: T query length, S key length. Query i sits at diagonal position
 p(i) = i (top-left alignment) or i + S - T (bottom-right alignment):
@@ -8,6 +9,9 @@ p(i) = i (top-left alignment) or i + S - T (bottom-right alignment):
     q0     x . . . .            q0     x x x . .
     q1     x x . . .            q1     x x x x .
     q2     x x x . .            q2     x x x x x
+
+Varlen packing (`varlen_mask`) applies the same rule per sequence, with positions local to each
+sequence and the bottom-right offset len_k(n) - len_q(n) of that sequence.
 """
 
 from __future__ import annotations
@@ -59,3 +63,69 @@ def combine_masks(*masks: Optional[jax.Array]) -> Optional[jax.Array]:
     for m in present[1:]:
         out = jnp.logical_and(out, m)
     return out
+
+
+def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
+    """(B, 1, T, S) bool mask: query i of batch b sees key j iff their segment ids are equal.
+
+    Args:
+        q_segment_ids: (B, T) integer ids of the queries.
+        kv_segment_ids: (B, S) integer ids of the keys; any integers, not necessarily sorted.
+    """
+    return q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
+
+
+def _sequence_of(cu_seqlens: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
+    """For rows 0..length-1 of a packed axis: (sequence index n, row in [cu[0], cu[N]))."""
+    rows = jnp.arange(length)
+    seq = jnp.searchsorted(cu_seqlens[1:], rows, side="right")  # cu[n] <= row < cu[n + 1]
+    inside = (rows >= cu_seqlens[0]) & (rows < cu_seqlens[-1])
+    return jnp.minimum(seq, cu_seqlens.shape[0] - 2), inside
+
+
+def varlen_mask(
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    causal_alignment: CausalAlignment = "top_left",
+    sliding_window: Optional[tuple[int, int]] = None,
+) -> jax.Array:
+    """(1, 1, Tq, Tk) bool mask of N sequences packed back to back (True = visible).
+
+    Sequence n holds queries [cu_q[n], cu_q[n + 1]) and keys [cu_k[n], cu_k[n + 1]). A query sees
+    only keys of its own sequence; causality and the window use positions local to the sequence,
+    with diagonal position p(i) = i_local (top-left) or i_local + len_k(n) - len_q(n)
+    (bottom-right). Rows and columns outside [cu[0], cu[N]) (padding) see nothing.
+
+    Args:
+        cu_seqlens_q: (N + 1,) integer cumulative query lengths, non-decreasing (may be traced).
+        cu_seqlens_k: (N + 1,) integer cumulative key lengths.
+        q_len: Tq, the packed query length (static).
+        kv_len: Tk, the packed key length (static).
+        causal: keep keys with j_local <= p(i).
+        causal_alignment: "top_left" or "bottom_right", per sequence.
+        sliding_window: (left, right) around p(i); -1 = unbounded on that side.
+    """
+    cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
+    seq_q, in_q = _sequence_of(cu_q, q_len)
+    seq_k, in_k = _sequence_of(cu_k, kv_len)
+    visible = (seq_q[:, None] == seq_k[None, :]) & in_q[:, None] & in_k[None, :]
+    if causal or sliding_window is not None:
+        pos = jnp.arange(q_len) - cu_q[seq_q]
+        if causal_alignment == "bottom_right":
+            len_q, len_k = jnp.diff(cu_q), jnp.diff(cu_k)
+            pos = pos + (len_k - len_q)[seq_q]
+        pos = pos[:, None]
+        key = (jnp.arange(kv_len) - cu_k[seq_k])[None, :]
+        if causal:
+            visible &= key <= pos
+        if sliding_window is not None:
+            left, right = sliding_window
+            if left >= 0:
+                visible &= key >= pos - left
+            if right >= 0:
+                visible &= key <= pos + right
+    return visible[None, None]

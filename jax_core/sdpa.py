@@ -74,7 +74,7 @@ class ScaledDotProductAttn(AttentionImpl):
             mask = combine_masks(mask, positional_mask(t, s, causal=causal, sliding_window=sliding_window))
             causal = False
 
-        def body(q, k, v, bias, mask, _aux, _rng):
+        def body(q, k, v, bias, mask, _aux, _rng, _segment_ids, _cu_seqlens):
             dead = None
             if bias is not None or mask is not None:
                 visible = combine_masks(
@@ -93,13 +93,17 @@ class ScaledDotProductAttn(AttentionImpl):
         return AttentionOutput(attention_outputs=run_sharded(body, md, query, key, value, bias=bias, mask=mask))
 
     def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
+                       segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+        _no_packing(segment_ids, cu_seqlens)
         if layout == "BHTD":
             return _swap_out(self._attend(*map(_swap, (query, key, value)), bias, mask, causal, sliding_window, "xla"))
         return self._attend(query, key, value, bias, mask, causal, sliding_window, "xla")
 
     def forward_cuda(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
+                     segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+        _no_packing(segment_ids, cu_seqlens)
         btgd = (query, key, value) if layout == "BTHD" else tuple(map(_swap, (query, key, value)))
         inputs = AttentionInputs.from_arrays(*btgd, platform="gpu", backend="cuda")
         if not cudnn_reasons(inputs):
@@ -114,6 +118,12 @@ class ScaledDotProductAttn(AttentionImpl):
                 pass  # a shape or mask cuDNN rejects at trace time: XLA below
         out = self._attend(*btgd, bias, mask, causal, sliding_window, "xla")
         return out if layout == "BTHD" else _swap_out(out)
+
+
+def _no_packing(segment_ids, cu_seqlens) -> None:
+    """jax.nn has no segment ids or varlen; `__call__` never passes them (capabilities), direct calls fail."""
+    if segment_ids is not None or cu_seqlens is not None:
+        raise NotImplementedError("sdpa supports neither segment_ids nor cu_seqlens (use 'vanilla' or 'flash').")
 
 
 def _swap(x):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput
 from .capabilities import ALL_FLOAT_DTYPES, FEATURES, Capabilities, CausalAlignment
-from .masks import combine_masks, positional_mask
+from .masks import combine_masks, positional_mask, segment_mask, varlen_mask
 from .registry import AttentionRegistry
 from .sharding import run_sharded
 
@@ -35,12 +35,15 @@ def reference_attention(
     softmax_aux: Optional[jax.Array] = None,
     dropout_rng: Optional[jax.Array] = None,
     dropout_prob: float = 0.0,
+    segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
+    cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Plain attention; returns the (B, T, Hq, Dv) output, the (B, Hq, T, S) probabilities before
     dropout and the (B, Hq, T) log-sum-exp of the logits (sinks included, -inf for empty rows).
 
     Arguments as in `AttentionImpl.__call__`; `scale` multiplies q·k, logits and softmax are computed
-    in `softmax_dtype`.
+    in `softmax_dtype`. With `cu_seqlens` the causal/window rule applies per packed sequence
+    (`masks.varlen_mask`) instead of over the whole (T, S) grid.
     """
     b, t, hq, d = query.shape
     s, hk = key.shape[1], key.shape[2]
@@ -56,8 +59,7 @@ def reference_attention(
     if bias is not None:
         logits = logits + bias.astype(softmax_dtype)
     visible = combine_masks(
-        mask,
-        positional_mask(t, s, causal=causal, causal_alignment=causal_alignment, sliding_window=sliding_window),
+        mask, _packing_or_positional_mask(t, s, causal, causal_alignment, sliding_window, segment_ids, cu_seqlens)
     )
     if visible is not None:
         logits = jnp.where(visible, logits, -jnp.inf)
@@ -84,14 +86,23 @@ def reference_attention(
     return out.reshape(b, t, hq, value.shape[-1]).astype(query.dtype), probs, lse
 
 
+def _packing_or_positional_mask(t, s, causal, causal_alignment, sliding_window, segment_ids, cu_seqlens):
+    """The visibility rule from positions, combined with segment ids, or per varlen sequence."""
+    if cu_seqlens is not None:
+        return varlen_mask(*cu_seqlens, t, s, causal=causal, causal_alignment=causal_alignment,
+                           sliding_window=sliding_window)
+    positional = positional_mask(t, s, causal=causal, causal_alignment=causal_alignment, sliding_window=sliding_window)
+    return combine_masks(positional, None if segment_ids is None else segment_mask(*segment_ids))
+
+
 @AttentionRegistry.register
 class VanillaAttn(AttentionImpl):
-    """Reference attention on every platform; supports every feature except segment ids and varlen."""
+    """Reference attention on every platform, with every feature (segment ids and varlen included)."""
 
     capabilities = Capabilities(
         platforms=frozenset({"cpu", "gpu", "tpu"}),
         dtypes=ALL_FLOAT_DTYPES,
-        features=FEATURES - {"segment_ids", "varlen"},
+        features=FEATURES,
     )
 
     @classmethod
@@ -113,21 +124,26 @@ class VanillaAttn(AttentionImpl):
         softmax_aux,
         dropout_rng,
         return_weights,
+        segment_ids=None,
+        cu_seqlens=None,
+        max_seqlen=None,
     ) -> AttentionOutput:
+        del max_seqlen  # the reference materialises every (T, S) logit: no grid to bound
         md = self.metadata
         dtype = jnp.dtype(md.runtime_dtype) if md.runtime_dtype else query.dtype
         query, key, value = (x.astype(dtype) for x in (query, key, value))
 
-        def attend(q, k, v, bias, mask, softmax_aux, dropout_rng):
+        def attend(q, k, v, bias, mask, softmax_aux, dropout_rng, segment_ids, cu_seqlens):
             return reference_attention(
                 q, k, v, scale=md.scale_for(q.shape[-1]), softmax_dtype=md.softmax_dtype_for(q.dtype),
                 bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-                dropout_rng=dropout_rng, dropout_prob=md.dropout_prob,
+                dropout_rng=dropout_rng, dropout_prob=md.dropout_prob, segment_ids=segment_ids,
+                cu_seqlens=cu_seqlens,
             )
 
         out, probs, lse = run_sharded(
             attend, md, query, key, value, bias=bias, mask=mask, softmax_aux=softmax_aux,
-            dropout_rng=dropout_rng, with_weights=True,
+            dropout_rng=dropout_rng, segment_ids=segment_ids, cu_seqlens=cu_seqlens, with_weights=True,
         )
         return AttentionOutput(attention_outputs=out, attention_weights=probs if return_weights else None, lse=lse)

@@ -454,9 +454,10 @@ def test_select_no_candidate_raises_not_implemented():
     msg = str(info.value)
     assert "sdpa:" in msg and "feature 'softcap' not supported" in msg and "value_head_dim=32 != head_dim=64" in msg
     with pytest.raises(NotImplementedError) as info:
-        AttentionRegistry.select(_inputs(features={"segment_ids", "softcap"}))
+        AttentionRegistry.select(_inputs(features={"segment_ids", "softcap"}, dtype="int32"))
     msg = str(info.value)
     assert "sdpa:" in msg and "vanilla:" in msg and "feature 'segment_ids' not supported" in msg
+    assert "vanilla: dtype int32 not in" in msg
     # through attention(): a tuple with only sdpa and a soft cap
     q = jnp.ones((1, 4, 2, 8), jnp.float32)
     with pytest.raises(NotImplementedError, match="softcap"):

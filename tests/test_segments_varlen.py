@@ -1,0 +1,372 @@
+"""Segment ids and varlen packing in jax_core (masks, `vanilla`, selection, meshes, errors).
+
+The oracle is float64 NumPy attention with visibility built by explicit Python loops over the
+documented rules (or, for varlen, by running each packed sequence on its own)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from jaxattn.jax_core import AttentionInputs, AttentionMetadata, AttentionRegistry, PartitionAxis, attention
+from jaxattn.jax_core.masks import segment_mask, varlen_mask
+
+
+# ----------------------------------------------------------------------------------------------
+# oracle
+# ----------------------------------------------------------------------------------------------
+
+
+def np_attention(q, k, v, visible, scale=None):
+    """float64 attention on (B, T, Hq, D), (B, S, Hk, D), (B, S, Hk, Dv) with `visible`
+    broadcastable to (B, Hq, T, S); returns (out (B, T, Hq, Dv), lse (B, Hq, T)); empty rows: 0, -inf."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    hq, hk = q.shape[2], k.shape[2]
+    k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = np.einsum("bthd,bshd->bhts", q, k) * scale
+    visible = np.broadcast_to(visible, logits.shape)
+    logits = np.where(visible, logits, -np.inf)
+    row_max = logits.max(-1, keepdims=True, initial=-np.inf)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.exp(logits - row_max)
+    den = e.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(den) + row_max)[..., 0]
+    p = e / np.where(den == 0, 1.0, den)
+    return np.einsum("bhts,bshd->bthd", p, v), lse
+
+
+def rule(i, j, t, s, causal, alignment, window):
+    """The positional rule for query i, key j of a (t, s) sequence, written out."""
+    p = i + (s - t if alignment == "bottom_right" else 0)
+    ok = True
+    if causal:
+        ok = ok and j <= p
+    if window is not None:
+        if window[0] >= 0:
+            ok = ok and j >= p - window[0]
+        if window[1] >= 0:
+            ok = ok and j <= p + window[1]
+    return ok
+
+
+def loop_segment_visible(q_ids, kv_ids, causal=False, window=None):
+    b, t = q_ids.shape
+    s = kv_ids.shape[1]
+    out = np.zeros((b, 1, t, s), bool)
+    for n in range(b):
+        for i in range(t):
+            for j in range(s):
+                out[n, 0, i, j] = q_ids[n, i] == kv_ids[n, j] and rule(i, j, t, s, causal, "top_left", window)
+    return out
+
+
+def loop_varlen_visible(lengths, t_total, s_total, causal=False, alignment="top_left", window=None):
+    out = np.zeros((1, 1, t_total, s_total), bool)
+    q0 = k0 = 0
+    for lq, lk in lengths:
+        for i in range(lq):
+            for j in range(lk):
+                out[0, 0, q0 + i, k0 + j] = rule(i, j, lq, lk, causal, alignment, window)
+        q0, k0 = q0 + lq, k0 + lk
+    return out
+
+
+def cu_of(lengths):
+    cu_q = np.concatenate([[0], np.cumsum([lq for lq, _ in lengths])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([lk for _, lk in lengths])]).astype(np.int32)
+    return cu_q, cu_k
+
+
+def qkv(seed, b, t, s, hq=4, hk=2, d=16, dv=12):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((b, t, hq, d)).astype(np.float32), rng.standard_normal((b, s, hk, d)).astype(np.float32),
+            rng.standard_normal((b, s, hk, dv)).astype(np.float32))
+
+
+def close(actual, expected, atol=3e-5, rtol=3e-5):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, atol=atol, rtol=rtol)
+
+
+def close_lse(actual, expected):
+    actual = np.asarray(actual, np.float64)
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isfinite(actual), finite)
+    assert np.all(actual[~finite] == -np.inf)
+    close(actual[finite], expected[finite])
+
+
+# ----------------------------------------------------------------------------------------------
+# masks
+# ----------------------------------------------------------------------------------------------
+
+
+def test_segment_mask_matches_loops():
+    rng = np.random.default_rng(0)
+    q_ids, kv_ids = rng.integers(-2, 3, (2, 9)), rng.integers(-2, 3, (2, 11))
+    got = jax.jit(segment_mask)(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    assert got.shape == (2, 1, 9, 11) and got.dtype == jnp.bool_
+    np.testing.assert_array_equal(got, loop_segment_visible(q_ids, kv_ids))
+
+
+@pytest.mark.parametrize("causal,alignment,window", [
+    (False, "top_left", None), (True, "top_left", None), (True, "bottom_right", None),
+    (False, "bottom_right", (2, 1)), (True, "top_left", (3, -1)), (False, "top_left", (-1, 0)),
+])
+def test_varlen_mask_matches_loops(causal, alignment, window):
+    lengths = [(4, 7), (1, 1), (0, 3), (6, 2), (5, 0), (3, 3)]
+    cu_q, cu_k = cu_of(lengths)
+    t_total, s_total = int(cu_q[-1]) + 3, int(cu_k[-1]) + 2  # trailing padding rows and columns
+    f = jax.jit(lambda cq, ck: varlen_mask(cq, ck, t_total, s_total, causal=causal, causal_alignment=alignment,
+                                           sliding_window=window))
+    got = f(jnp.asarray(cu_q), jnp.asarray(cu_k))  # cu_seqlens traced
+    assert got.shape == (1, 1, t_total, s_total)
+    np.testing.assert_array_equal(got, loop_varlen_visible(lengths, t_total, s_total, causal, alignment, window))
+
+
+# ----------------------------------------------------------------------------------------------
+# vanilla: segment ids
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["BTHD", "BHTD"])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (3, 2))])
+def test_vanilla_segment_ids_match_explicit_mask(layout, causal, window):
+    b, t, s = 2, 23, 29
+    q, k, v = qkv(1, b, t, s)
+    rng = np.random.default_rng(10)
+    # unsorted, non-contiguous ids; a query id (9) that no key has gives empty rows
+    q_ids = rng.choice(np.array([7, -3, 2, 9]), (b, t)).astype(np.int32)
+    kv_ids = rng.choice(np.array([2, 7, -3]), (b, s)).astype(np.int64)
+    visible = loop_segment_visible(q_ids, kv_ids, causal, window)
+    ref_out, ref_lse = np_attention(q, k, v, visible)
+    args = (q, k, v) if layout == "BTHD" else tuple(np.swapaxes(x, 1, 2) for x in (q, k, v))
+    res = attention(*args, segment_ids=(q_ids, kv_ids), causal=causal, sliding_window=window, return_lse=True,
+                    layout=layout)  # automatic selection: sdpa declines segment ids, vanilla runs
+    out = res.attention_outputs if layout == "BTHD" else np.swapaxes(res.attention_outputs, 1, 2)
+    close(out, ref_out)
+    close_lse(res.lse, ref_lse)
+    assert np.any(~visible.any(-1)) and np.all(np.asarray(out)[~visible[:, 0].any(-1)] == 0)
+
+
+def _grads_f64(q, k, v, visible, cotangent):
+    """Gradients of sum(out * cotangent) by float64 jnp attention with an explicit mask."""
+    def f(q, k, v):
+        hq, hk = q.shape[2], k.shape[2]
+        kk, vv = jnp.repeat(k, hq // hk, axis=2), jnp.repeat(v, hq // hk, axis=2)
+        logits = jnp.einsum("bthd,bshd->bhts", q, kk) * q.shape[-1] ** -0.5
+        logits = jnp.where(visible, logits, -jnp.inf)
+        m = jax.lax.stop_gradient(jnp.max(logits, -1, keepdims=True))
+        e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0))
+        den = jnp.sum(e, -1, keepdims=True)
+        p = e / jnp.where(den == 0, 1, den)
+        return jnp.sum(jnp.einsum("bhts,bshd->bthd", p, vv) * cotangent)
+
+    with jax.enable_x64(True):
+        args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v))
+        return [np.asarray(g) for g in jax.jit(jax.grad(f, argnums=(0, 1, 2)))(*args)]
+
+
+def test_vanilla_segment_ids_gradients():
+    b, t, s = 2, 17, 21
+    q, k, v = qkv(2, b, t, s)
+    rng = np.random.default_rng(20)
+    q_ids, kv_ids = rng.integers(0, 3, (b, t)), rng.integers(0, 3, (b, s))
+    ct = rng.standard_normal((b, t, 4, 12)).astype(np.float32)
+    f = lambda q, k, v: jnp.sum(attention(q, k, v, segment_ids=(q_ids, kv_ids), causal=True).attention_outputs * ct)
+    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
+    ref = _grads_f64(q, k, v, loop_segment_visible(q_ids, kv_ids, causal=True), ct)
+    for g, r in zip(grads, ref):
+        close(g, r, atol=5e-5, rtol=5e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# vanilla: varlen
+# ----------------------------------------------------------------------------------------------
+
+LENGTHS = [(5, 9), (1, 1), (7, 3), (13, 13), (0, 4), (3, 0), (1, 6)]  # L_n != S_n, empty sides, length 1
+
+
+def per_sequence_reference(q, k, v, lengths, causal, alignment, window):
+    """Each packed sequence through the oracle on its own; padding rows 0 and -inf."""
+    t_total, hq, dv = q.shape[1], q.shape[2], v.shape[3]
+    out, lse = np.zeros((1, t_total, hq, dv)), np.full((1, hq, t_total), -np.inf)
+    cu_q, cu_k = cu_of(lengths)
+    for n, (lq, lk) in enumerate(lengths):
+        if lq == 0:
+            continue
+        qs, ks, vs = q[:, cu_q[n]:cu_q[n + 1]], k[:, cu_k[n]:cu_k[n + 1]], v[:, cu_k[n]:cu_k[n + 1]]
+        visible = np.array([[rule(i, j, lq, lk, causal, alignment, window) for j in range(lk)] for i in range(lq)],
+                           bool).reshape(lq, lk)
+        o, l = np_attention(qs, ks, vs, visible)
+        out[:, cu_q[n]:cu_q[n + 1]], lse[:, :, cu_q[n]:cu_q[n + 1]] = o, l
+    return out, lse
+
+
+@pytest.mark.parametrize("layout", ["BTHD", "BHTD"])
+@pytest.mark.parametrize("causal,alignment,window", [
+    (False, "top_left", None), (True, "top_left", None), (True, "bottom_right", None),
+    (False, "bottom_right", (2, 1)), (True, "top_left", (3, -1)),
+])
+def test_vanilla_varlen_matches_per_sequence(layout, causal, alignment, window):
+    cu_q, cu_k = cu_of(LENGTHS)
+    t_total, s_total = int(cu_q[-1]) + 4, int(cu_k[-1]) + 3
+    q, k, v = qkv(3, 1, t_total, s_total)
+    ref_out, ref_lse = per_sequence_reference(q, k, v, LENGTHS, causal, alignment, window)
+    args = (q, k, v) if layout == "BTHD" else tuple(np.swapaxes(x, 1, 2) for x in (q, k, v))
+    f = jax.jit(lambda q, k, v, cq, ck: attention(
+        q, k, v, cu_seqlens=(cq, ck), max_seqlen=(13, 13), causal=causal, causal_alignment=alignment,
+        sliding_window=window, return_lse=True, layout=layout))
+    res = f(*args, cu_q, cu_k)
+    out = res.attention_outputs if layout == "BTHD" else np.swapaxes(res.attention_outputs, 1, 2)
+    close(out, ref_out)
+    close_lse(res.lse, ref_lse)
+    assert np.all(np.asarray(out)[0, cu_q[-1]:] == 0)  # trailing padding rows
+    assert np.all(np.asarray(res.lse)[0, :, cu_q[-1]:] == -np.inf)
+
+
+def test_vanilla_varlen_same_as_separate_vanilla_calls_and_gradients():
+    lengths = [(6, 4), (1, 1), (9, 11)]
+    cu_q, cu_k = cu_of(lengths)
+    q, k, v = qkv(4, 1, int(cu_q[-1]) + 2, int(cu_k[-1]))
+    kw = dict(causal=True, causal_alignment="bottom_right")
+    packed = jax.jit(lambda q, k, v: attention(q, k, v, cu_seqlens=(cu_q, cu_k), **kw).attention_outputs)(q, k, v)
+    alone_fn = jax.jit(lambda q, k, v: attention(q, k, v, implementation="vanilla", **kw).attention_outputs)
+    for n in range(len(lengths)):
+        alone = alone_fn(q[:, cu_q[n]:cu_q[n + 1]], k[:, cu_k[n]:cu_k[n + 1]], v[:, cu_k[n]:cu_k[n + 1]])
+        np.testing.assert_allclose(packed[:, cu_q[n]:cu_q[n + 1]], alone, atol=1e-6, rtol=1e-6)
+
+    ct = np.random.default_rng(40).standard_normal(packed.shape).astype(np.float32)
+    f = lambda q, k, v: jnp.sum(attention(q, k, v, cu_seqlens=(cu_q, cu_k), **kw).attention_outputs * ct)
+    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
+    visible = loop_varlen_visible(lengths, q.shape[1], k.shape[1], True, "bottom_right")
+    for g, r in zip(grads, _grads_f64(q, k, v, visible, ct)):
+        close(g, r, atol=5e-5, rtol=5e-5)
+
+
+def test_varlen_traced_cu_seqlens_change_without_shape_change():
+    q, k, v = qkv(5, 1, 12, 12)
+    f = jax.jit(lambda cq, ck: attention(q, k, v, cu_seqlens=(cq, ck), causal=True).attention_outputs)
+    for lengths in ([(4, 4), (8, 8)], [(10, 3), (2, 9)]):
+        cu_q, cu_k = cu_of(lengths)
+        close(f(cu_q, cu_k), per_sequence_reference(q, k, v, lengths, True, "top_left", None)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# features, selection, reasons
+# ----------------------------------------------------------------------------------------------
+
+
+def test_attention_inputs_packing_features():
+    q = jax.ShapeDtypeStruct((1, 8, 2, 16), jnp.float32)
+    seg = AttentionInputs.from_arrays(q, q, q, platform="cpu", backend="cpu", segment_ids=True)
+    assert seg.features == {"segment_ids"}
+    var = AttentionInputs.from_arrays(q, q, q, platform="cpu", backend="cpu", varlen=True, causal=True,
+                                      causal_alignment="bottom_right")
+    # packed sequences may have L_n != S_n even when T == S: bottom-right is then a real feature
+    assert var.features == {"varlen", "causal_bottom_right"}
+    top = AttentionInputs.from_arrays(q, q, q, platform="cpu", backend="cpu", varlen=True, causal=True)
+    assert top.features == {"varlen", "causal"}
+
+
+def test_sdpa_declines_segment_ids_and_varlen():
+    q, k, v = qkv(6, 1, 8, 8, hq=2, hk=2, d=16, dv=16)
+    ids = np.zeros((1, 8), np.int32)
+    cu = np.array([0, 3, 8], np.int32)
+    with pytest.raises(ValueError, match="feature 'segment_ids' not supported"):
+        attention(q, k, v, segment_ids=(ids, ids), implementation="sdpa")
+    with pytest.raises(ValueError, match="feature 'varlen' not supported"):
+        attention(q, k, v, cu_seqlens=(cu, cu), implementation="sdpa")
+    sdpa = AttentionRegistry.create("sdpa", AttentionMetadata())
+    with pytest.raises(NotImplementedError, match="sdpa supports neither segment_ids nor cu_seqlens"):
+        sdpa.forward_native(q, k, v, bias=None, mask=None, causal=False, causal_alignment="top_left",
+                            sliding_window=None, logits_soft_cap=None, softmax_aux=None, dropout_rng=None,
+                            return_weights=False, segment_ids=(ids, ids))
+    # automatic selection on CPU falls through to vanilla
+    close(attention(q, k, v, cu_seqlens=(cu, cu)).attention_outputs,
+          per_sequence_reference(q, k, v, [(3, 3), (5, 5)], False, "top_left", None)[0])
+
+
+def test_flash_reasons_for_packing():
+    flash = AttentionRegistry.get("flash")
+    base = dict(batch=1, q_len=256, kv_len=256, num_q_heads=2, num_kv_heads=2, head_dim=64, value_head_dim=64,
+                dtype="float32")
+    gpu = AttentionInputs(platform="gpu", backend="cuda", features={"segment_ids"}, **base)
+    assert any("'segment_ids' not supported by the GPU kernels yet" in r for r in flash.not_supported_reasons(gpu))
+    tpu = AttentionInputs(platform="tpu", backend="tpu", features={"segment_ids", "causal", "backward"}, **base)
+    assert flash.not_supported_reasons(tpu) == []
+    for feature in ("varlen", "dropout"):
+        tpu = AttentionInputs(platform="tpu", backend="tpu", features={feature}, **base)
+        assert any(f"'{feature}' not supported by the TPU kernel" in r for r in flash.not_supported_reasons(tpu))
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------
+
+_Q, _K, _V = qkv(7, 2, 6, 9)
+_IDS_Q, _IDS_K = np.zeros((2, 6), np.int32), np.zeros((2, 9), np.int32)
+_CU = np.array([0, 2, 6], np.int32)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(segment_ids=_IDS_Q), r"segment_ids: expected a pair"),
+    (dict(segment_ids=(_IDS_Q, _IDS_Q)), r"kv_segment_ids has shape \(2, 6\).*expected an integer array of shape \(2, 9\)"),
+    (dict(segment_ids=(_IDS_Q[:1], _IDS_K)), r"q_segment_ids has shape \(1, 6\).*\(2, 6\)"),
+    (dict(segment_ids=(_IDS_Q.astype(np.float32), _IDS_K)), r"q_segment_ids .* dtype float32; expected an integer"),
+    (dict(cu_seqlens=(_CU, _CU)), r"cu_seqlens: needs a batch of 1.*batch=2"),
+    (dict(segment_ids=(_IDS_Q, _IDS_K), cu_seqlens=(_CU, _CU)), r"segment_ids and cu_seqlens were both given"),
+    (dict(max_seqlen=(4, 4)), r"max_seqlen=\(4, 4\): only meaningful with cu_seqlens"),
+])
+def test_packing_errors_batch2(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        attention(_Q, _K, _V, implementation="vanilla", **kwargs)
+
+
+@pytest.mark.parametrize("cu_q,cu_k,max_seqlen,match", [
+    (_CU[None], _CU, None, r"cu_seqlens_q has shape \(1, 3\).*expected a 1-D integer array"),
+    (_CU, _CU.astype(np.float32), None, r"cu_seqlens_k .* dtype float32"),
+    (_CU[:1], _CU[:1], None, r"cu_seqlens_q has shape \(1,\).*N \+ 1 >= 2"),
+    (_CU, np.array([0, 9], np.int32), None, r"cu_seqlens_q \(3,\) and cu_seqlens_k \(2,\) must have the same length"),
+    (_CU, _CU, (0, 4), r"max_seqlen=\(0, 4\): expected .* ints >= 1"),
+    (_CU, _CU, (4.0, 4), r"max_seqlen=\(4.0, 4\)"),
+    (_CU, _CU, 4, r"max_seqlen: expected a pair"),
+])
+def test_varlen_errors(cu_q, cu_k, max_seqlen, match):
+    with pytest.raises(ValueError, match=match):
+        attention(_Q[:1], _K[:1], _V[:1], cu_seqlens=(cu_q, cu_k), max_seqlen=max_seqlen, implementation="vanilla")
+
+
+# ----------------------------------------------------------------------------------------------
+# meshes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh22():
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (conftest sets --xla_force_host_platform_device_count=8)")
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+
+
+def test_mesh_segment_ids_and_varlen(mesh22):
+    q, k, v = qkv(8, 2, 19, 23)
+    rng = np.random.default_rng(80)
+    q_ids, kv_ids = rng.integers(0, 3, (2, 19)), rng.integers(0, 3, (2, 23))
+    out = jax.jit(lambda q, k, v: attention(
+        q, k, v, segment_ids=(q_ids, kv_ids), causal=True, metadata=AttentionMetadata(mesh=mesh22),
+        implementation="vanilla").attention_outputs)(q, k, v)
+    assert len(out.sharding.device_set) == 4
+    close(out, np_attention(q, k, v, loop_segment_visible(q_ids, kv_ids, causal=True))[0])
+
+    lengths = [(7, 5), (12, 18)]
+    cu_q, cu_k = cu_of(lengths)
+    md = AttentionMetadata(mesh=mesh22, partition_axis=PartitionAxis(batch_axis=None, head_axis="tp"))
+    out = jax.jit(lambda q, k, v: attention(q, k, v, cu_seqlens=(cu_q, cu_k), causal=True,
+                                            causal_alignment="bottom_right", metadata=md).attention_outputs)(
+        q[:1], k[:1], v[:1])
+    close(out, per_sequence_reference(q[:1], k[:1], v[:1], lengths, True, "bottom_right", None)[0])
