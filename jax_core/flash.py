@@ -8,7 +8,7 @@ dims read with stride 0), sliding windows, logits soft cap, attention sinks, hea
 returning the LSE.
 
 TPU: JAX's Pallas TPU flash kernel (`jax.experimental.pallas.ops.tpu.flash_attention`): top-left
-causal or none, bias, equal head counts.
+causal or none, bias, segment ids, equal head counts; no varlen, no dropout.
 
 CPU: no flash kernel; forcing `flash` raises with the reasons, automatic selection skips it.
 """
@@ -29,7 +29,7 @@ from .registry import AttentionRegistry
 _GPU_FEATURES = frozenset(
     {"causal", "causal_bottom_right", "bias", "bool_mask", "gqa", "sliding_window", "softcap", "sinks", "lse", "backward"}
 )
-_TPU_FEATURES = frozenset({"causal", "bias", "lse", "backward"})
+_TPU_FEATURES = frozenset({"causal", "bias", "segment_ids", "lse", "backward"})
 
 
 def _has_module(name: str) -> bool:
@@ -46,7 +46,8 @@ class FlashAttn(AttentionImpl):
     capabilities = Capabilities(
         platforms=frozenset({"gpu", "tpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
-        features=_GPU_FEATURES,
+        # Either platform's features; `extra_reasons` narrows them to the platform of the call.
+        features=_GPU_FEATURES | _TPU_FEATURES,
         max_head_dim=256,
     )
     layouts = frozenset({"BTHD", "BHTD"})
@@ -64,6 +65,8 @@ class FlashAttn(AttentionImpl):
             for module, extra in (("triton", "triton"), ("jax_triton", "jax-triton")):
                 if not _has_module(module):
                     reasons.append(f"{extra} is not installed (pip install 'jaxattn[gpu]')")
+            for feature in sorted((inputs.features & _TPU_FEATURES) - _GPU_FEATURES):
+                reasons.append(f"feature {feature!r} not supported by the GPU kernels yet")
         if inputs.platform == "tpu":
             for feature in sorted(inputs.features - _TPU_FEATURES):
                 reasons.append(f"feature {feature!r} not supported by the TPU kernel")
@@ -76,14 +79,18 @@ class FlashAttn(AttentionImpl):
         return reasons
 
     def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
+                       segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
         raise NotImplementedError("flash has no platform-independent kernel; it runs on GPU (Triton) and TPU (Pallas).")
 
     def forward_cpu(self, *args, **kwargs) -> AttentionOutput:
         return self.forward_native(*args, **kwargs)
 
     def forward_cuda(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
+                     segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+        if segment_ids is not None or cu_seqlens is not None or dropout_rng is not None:
+            raise NotImplementedError("flash: segment_ids, cu_seqlens and dropout on GPU: GPU kernel wiring pending.")
         from .kernels.flash_jax_triton import FlashConfig, flash_attention_triton
 
         dtype = jnp.dtype(self.metadata.runtime_dtype) if self.metadata.runtime_dtype else query.dtype
@@ -108,7 +115,9 @@ class FlashAttn(AttentionImpl):
         return self.forward_cuda(*args, **kwargs)
 
     def forward_tpu(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                    logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD") -> AttentionOutput:
+                    logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
+                    segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+        from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds
         from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention as pallas_flash
 
         swap = layout == "BTHD"
@@ -118,12 +127,30 @@ class FlashAttn(AttentionImpl):
         if bias is not None:  # the Pallas kernel adds `ab` before scaling the logits
             full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             ab = jnp.broadcast_to(_four_d(bias).astype(jnp.float32) / scale, full)
-        out = pallas_flash(q, k, v, ab=ab, causal=causal, sm_scale=scale)
+        segments = None if segment_ids is None else SegmentIds(q=segment_ids[0], kv=segment_ids[1])
+        out = pallas_flash(q, k, v, ab=ab, segment_ids=segments, causal=causal, sm_scale=scale)
+        if segment_ids is not None:  # the kernel averages V over a row with no visible key; we give 0
+            out = jnp.where(_rows_with_visible_key(*segment_ids, causal)[:, None, :, None], out, 0)
         return AttentionOutput(attention_outputs=jnp.swapaxes(out, 1, 2) if swap else out)
 
 
 def _four_d(x: Optional[jax.Array]) -> Optional[jax.Array]:
     return None if x is None else x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _rows_with_visible_key(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bool) -> jax.Array:
+    """(B, T) bool: query i has a key of its own segment (at a position j <= i with `causal`).
+
+    Found by sorting the (B, S) key ids, O((T + S) log S) instead of comparing every (i, j) pair.
+    """
+    order = jnp.argsort(kv_segment_ids, axis=-1, stable=True)  # equal ids keep their order of position
+    ids = jnp.take_along_axis(kv_segment_ids, order, axis=-1)
+    first = jax.vmap(lambda row, q: jnp.searchsorted(row, q, side="left"))(ids, q_segment_ids)
+    first = jnp.minimum(first, ids.shape[-1] - 1)
+    found = jnp.take_along_axis(ids, first, axis=-1) == q_segment_ids
+    if causal:  # the first key of the segment (smallest position) must not be in the future
+        found &= jnp.take_along_axis(order, first, axis=-1) <= jnp.arange(q_segment_ids.shape[-1])
+    return found
 
 
 def _sink_logits(softmax_aux: jax.Array) -> jax.Array:
