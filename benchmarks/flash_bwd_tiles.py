@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxattn.jax_core.kernels.flash_jax_triton import FlashConfig, bwd_tiles, flash_attention_triton
+from jaxattn.jax_core.kernels.flash_jax_triton import FlashConfig, FlashExtras, bwd_tiles, flash_attention_triton
 
 KV_TILES = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3)]
 Q_TILES = [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]
@@ -25,7 +25,7 @@ def run(b, h, l, d):
 
     def timed(tiles):
         cfg = FlashConfig(scale=d**-0.5, causal=True, bwd_tiles=tiles)
-        f = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: flash_attention_triton(q, k, v, None, None, None, cfg)[0], q, k, v)[1](dout))
+        f = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: flash_attention_triton(q, k, v, None, None, None, FlashExtras(), cfg)[0], q, k, v)[1](dout))
         try:
             jax.block_until_ready(f(q, k, v))
         except Exception as exc:  # a tile the compiler rejects

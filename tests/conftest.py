@@ -10,7 +10,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # kernels jax-triton launches into interpreted ones; on a GPU machine the kernels are tested for
 # real by test_gpu_flash.py instead.
 _HAS_GPU = bool(shutil.which("nvidia-smi"))
-collect_ignore = ["test_flash_triton_fwd.py", "test_flash_triton_bwd.py", "test_flash_triton_features.py"] if _HAS_GPU else []
+collect_ignore = ["test_flash_triton_fwd.py", "test_flash_triton_bwd.py"] if _HAS_GPU else []
 if not _HAS_GPU:
     # Without a GPU every @triton.jit kernel is decorated for the interpreter, whichever test
     # imports it first.

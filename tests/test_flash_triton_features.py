@@ -3,13 +3,12 @@
 `jax_triton.triton_call` is replaced by an interpreter stand-in (tests/jax_triton_interpret.py), so
 segment ids, varlen packing and dropout run through exactly the code a GPU runs, on small shapes.
 The oracle is a float64 torch computation of the documented math (dropout: the kernels' own keep
-mask, materialised by `dropout_mask_kernel`, applied in float64).
+mask, materialised by `dropout_mask_kernel`, applied in float64). On a machine with CUDA, JAX on
+GPU and jax-triton, the same tests run the compiled kernels instead (float32 inputs, tf32x3 dots).
 """
 
-import os
+import importlib.util
 import sys
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -26,9 +25,14 @@ from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 from jaxattn.jax_core.kernels.flash_common_triton import dropout_mask_kernel  # noqa: E402
 
 
+ON_GPU = (torch.cuda.is_available() and jax.default_backend() == "gpu"
+          and importlib.util.find_spec("jax_triton") is not None)
+
+
 @pytest.fixture(autouse=True)
 def interpreted_jax_triton(monkeypatch):
-    monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    if not ON_GPU:
+        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
 
 
 def _rand(gen, *shape):
@@ -208,10 +212,11 @@ def test_varlen_forward_and_gradients(case, layout):
 # --------------------------------------------------------------------------------------------- dropout
 
 def _keep_mask(seed, bh, l, s, p):
-    keep = torch.full((bh, l, s), -1, dtype=torch.int8)
-    dropout_mask_kernel[(triton.cdiv(l, 16), bh)](torch.tensor(seed, dtype=torch.int32), keep, bh, l, s, p,
-                                                  BLOCK_M=16, BLOCK_N=32)
-    return keep.bool()
+    device = "cuda" if ON_GPU else "cpu"
+    keep = torch.full((bh, l, s), -1, dtype=torch.int8, device=device)
+    dropout_mask_kernel[(triton.cdiv(l, 16), bh)](torch.tensor(seed, dtype=torch.int32, device=device), keep, bh, l,
+                                                  s, p, BLOCK_M=16, BLOCK_N=32)
+    return keep.cpu().bool()
 
 
 def test_dropout_mask_is_bernoulli_and_seeded():

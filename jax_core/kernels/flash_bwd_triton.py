@@ -34,6 +34,15 @@ from .flash_common_triton import dropout_keep, load_seed, tanh_f32
 
 
 @triton.jit
+def _dot(a, b, acc):
+    """acc + a @ b with fp32 accumulation; float32 operands use tf32x3 (near-fp32 accuracy)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _key_range(m0, L, S, window_left, window_right, diag_offset,
                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key range [lo, hi) that query rows [m0, m0 + BLOCK_M) may see under the positional rule.
@@ -114,7 +123,7 @@ def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
         Invisible and out-of-range elements are exactly 0.
     """
     in_bounds = (offs_m[:, None] < L) & (offs_n[None, :] < S)
-    s = tl.dot(q, tl.trans(k)) * scale
+    s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32)) * scale
     if SOFTCAP:
         t = tanh_f32(s / softcap, FAST_TANH)
         s = softcap * t
@@ -139,7 +148,7 @@ def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
     # lse = -inf only where every logit of the row is -inf or invisible: exp(s - 0) is then 0.
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
     p = tl.where(vis, tl.exp(s - lse_safe[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v))
+    dp = _dot(do, tl.trans(v), tl.zeros([do.shape[0], v.shape[0]], dtype=tl.float32))
     if DROPOUT:
         kept = dropout_keep(seed, row0, q_off + offs_m, k_off + offs_n, S_mem, dropout_p)
         rescale = 1.0 / (1.0 - dropout_p)
@@ -317,8 +326,8 @@ def flash_bwd_dkdv_kernel(
                 seq_l, seq_s, scale, softcap, window_left, window_right, diag,
                 qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
                 CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
-            acc_dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            acc_dk += tl.dot(tl.trans(ds_pre.to(q.dtype)), q)
+            acc_dv = _dot(tl.trans(p.to(do.dtype)), do, acc_dv)
+            acc_dk = _dot(tl.trans(ds_pre.to(q.dtype)), q, acc_dk)
 
     acc_dk = acc_dk * scale
     tl.store(dK + b_mem * stride_dkb + hk64 * stride_dkh + rows_n * stride_dkn
@@ -460,7 +469,7 @@ def flash_bwd_dq_kernel(
             seq_l, seq_s, scale, softcap, window_left, window_right, diag,
             qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
             CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
-        acc_dq += tl.dot(ds_pre.to(k.dtype), k)
+        acc_dq = _dot(ds_pre.to(k.dtype), k, acc_dq)
         if WRITE_DS:
             tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn, ds_post,
                      mask=m_ok[:, None] & n_ok[None, :])

@@ -80,7 +80,7 @@ def fwd_block_sizes(D, Dv, dtype_bytes):
     if d <= 64:
         return 128, 64, 4, 3
     if d <= 128:
-        return 128, 64, 8, 3
+        return 64, 64, 4, 3
     return 128, 64, 8, 2
 
 

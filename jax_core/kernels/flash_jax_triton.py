@@ -35,6 +35,8 @@ class FlashConfig:
     layout: str = "BHTD"
     # Backward tiles, ((BLOCK_M, BLOCK_N, num_warps, num_stages) of dK/dV, same of dQ); None: defaults.
     bwd_tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None
+    # Forward tile (BLOCK_M, BLOCK_N, num_warps, num_stages); None: `fwd_block_sizes` defaults.
+    fwd_tiles: Optional[tuple[int, int, int, int]] = None
     dropout_p: float = 0.0  # needs `FlashExtras.seed`
     # Varlen packing (needs `FlashExtras.cu_seqlens`): (max_seqlen_q, max_seqlen_k) grid bounds.
     varlen: Optional[tuple[int, int]] = None
@@ -273,7 +275,8 @@ def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, cfg: F
 
     meta = _common(q, k, v, bias, mask, extras, cfg)
     b, hq, l = q.shape[0], meta["Hq"], meta["L"]
-    block_m, block_n, num_warps, num_stages = fwd_block_sizes(meta["D"], meta["Dv"], jnp.dtype(q.dtype).itemsize)
+    block_m, block_n, num_warps, num_stages = cfg.fwd_tiles or fwd_block_sizes(
+        meta["D"], meta["Dv"], jnp.dtype(q.dtype).itemsize)
     out_shape = (b, hq, l, meta["Dv"]) if cfg.layout == "BHTD" else (b, l, hq, meta["Dv"])
     meta.update(zip(("sob", "soh", "som", "sod"), _strides(out_shape, cfg.layout)))
     rows, programs = _grid_rows(meta, extras, cfg, "q")
