@@ -63,10 +63,11 @@ def fwd_block_sizes(D, Dv, dtype_bytes):
         dtype_bytes: bytes per element of Q/K/V (2 for fp16/bf16, 4 for fp32).
 
     Returns:
-        (BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of a small sweep on an H100 with
-        Triton 3.6 (B=4, H=16, L=S=4096; fp16 ~390 / 470 / 490 TFLOP/s non-causal at
-        D = 64 / 128 / 256). They fit the shared-memory budget (K and V tiles are buffered
-        ``num_stages`` deep).
+        (BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of `benchmarks/flash_fwd_tiles.py` on
+        an H100 with Triton 3.6, bf16 (JAX-level, 2026-11-22): D=64 causal L=8192 373 TFLOP/s with
+        (128, 64, 8, 3); D=128 469 causal L=8192 and 485 non-causal L=2048 with (64, 64, 4, 3)
+        (against 444 / 438 with (128, 64, 8, 3)), which also keeps the soft cap's cost at 11-13%;
+        D=256 479 causal with (128, 64, 8, 2) (deeper pipelines exceed shared memory).
     """
     d = max(next_power_of_2(D), next_power_of_2(Dv))
     if dtype_bytes >= 4:
@@ -78,7 +79,7 @@ def fwd_block_sizes(D, Dv, dtype_bytes):
             return 64, 32, 4, 2
         return 32, 32, 4, 1
     if d <= 64:
-        return 128, 64, 4, 3
+        return 128, 64, 8, 3
     if d <= 128:
         return 64, 64, 4, 3
     return 128, 64, 8, 2
