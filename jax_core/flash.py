@@ -4,8 +4,10 @@ GPU (CUDA; ROCm goes the same Triton path, untested): Triton forward and backwar
 (`kernels/flash_fwd_triton.py`, `kernels/flash_bwd_triton.py`) launched by jax-triton, with a
 custom VJP: online softmax in fp32, the log-sum-exp saved for the backward, never an L x S matrix.
 Features there: both causal alignments, native GQA/MQA, additive bias and bool masks (broadcast
-dims read with stride 0), sliding windows, logits soft cap, attention sinks, head dims up to 256,
-returning the LSE.
+dims read with stride 0), sliding windows, logits soft cap (hardware tanh for 16-bit inputs),
+attention sinks, segment ids (key blocks outside a query block's segments are skipped), varlen
+packing (`cu_seqlens`, one program per sequence and block, no padding), dropout (Philox from a seed,
+regenerated in the backward), head dims up to 256, returning the LSE.
 
 TPU: JAX's Pallas TPU flash kernel (`jax.experimental.pallas.ops.tpu.flash_attention`): top-left
 causal or none, bias, segment ids, equal head counts; no varlen, no dropout.
@@ -27,7 +29,8 @@ from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
 
 _GPU_FEATURES = frozenset(
-    {"causal", "causal_bottom_right", "bias", "bool_mask", "gqa", "sliding_window", "softcap", "sinks", "lse", "backward"}
+    {"causal", "causal_bottom_right", "bias", "bool_mask", "gqa", "sliding_window", "softcap", "sinks", "lse",
+     "backward", "segment_ids", "varlen", "dropout"}
 )
 _TPU_FEATURES = frozenset({"causal", "bias", "segment_ids", "lse", "backward"})
 
@@ -65,8 +68,9 @@ class FlashAttn(AttentionImpl):
             for module, extra in (("triton", "triton"), ("jax_triton", "jax-triton")):
                 if not _has_module(module):
                     reasons.append(f"{extra} is not installed (pip install 'jaxattn[gpu]')")
-            for feature in sorted((inputs.features & _TPU_FEATURES) - _GPU_FEATURES):
-                reasons.append(f"feature {feature!r} not supported by the GPU kernels yet")
+            if "varlen" in inputs.features:
+                for feature in sorted(inputs.features & {"bias", "bool_mask", "segment_ids"}):
+                    reasons.append(f"feature {feature!r} cannot be combined with varlen packing on GPU")
         if inputs.platform == "tpu":
             for feature in sorted(inputs.features - _TPU_FEATURES):
                 reasons.append(f"feature {feature!r} not supported by the TPU kernel")
@@ -89,30 +93,67 @@ class FlashAttn(AttentionImpl):
     def forward_cuda(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
                      logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
                      segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
-        if segment_ids is not None or cu_seqlens is not None or dropout_rng is not None:
-            raise NotImplementedError("flash: segment_ids, cu_seqlens and dropout on GPU: GPU kernel wiring pending.")
-        from .kernels.flash_jax_triton import FlashConfig, flash_attention_triton
+        return self._forward_triton(
+            query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+            dropout_rng=dropout_rng, layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen, fast_tanh=True,
+        )
+
+    def forward_rocm(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
+                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
+                     segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+        # The same Triton kernels (untested on ROCm); PTX's hardware tanh is NVIDIA-only.
+        return self._forward_triton(
+            query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+            dropout_rng=dropout_rng, layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen, fast_tanh=False,
+        )
+
+    def _forward_triton(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
+                        logits_soft_cap, softmax_aux, dropout_rng, layout, segment_ids, cu_seqlens, max_seqlen,
+                        fast_tanh) -> AttentionOutput:
+        """The Triton kernels through jax-triton; arguments as in `AttentionImpl.__call__`.
+
+        Dropout draws its Philox seed from `dropout_rng`; varlen grids cover `max_seqlen` (or the
+        packed lengths when None); `fast_tanh` selects the hardware tanh for 16-bit soft caps.
+        """
+        from .kernels.flash_jax_triton import FlashConfig, FlashExtras, flash_attention_triton
 
         dtype = jnp.dtype(self.metadata.runtime_dtype) if self.metadata.runtime_dtype else query.dtype
         query, key, value = (x.astype(dtype) for x in (query, key, value))
         l_axis = 2 if layout == "BHTD" else 1
         l, s = query.shape[l_axis], key.shape[l_axis]
+        varlen = None
+        if cu_seqlens is not None:
+            varlen = (int(max_seqlen[0]), int(max_seqlen[1])) if max_seqlen is not None else (l, s)
+        seed = None
+        if dropout_rng is not None and self.metadata.dropout_prob > 0:
+            seed = jax.lax.bitcast_convert_type(jax.random.bits(dropout_rng, (2,), jnp.uint32), jnp.int32)
+        bottom_right = causal_alignment == "bottom_right"
         cfg = FlashConfig(
             scale=self.metadata.scale_for(query.shape[-1]),
             causal=causal,
-            diag_offset=s - l if causal_alignment == "bottom_right" else 0,
+            diag_offset=s - l if bottom_right and varlen is None else 0,
             window=tuple(sliding_window) if sliding_window is not None else (-1, -1),
             softcap=logits_soft_cap,
             layout=layout,
+            dropout_p=float(self.metadata.dropout_prob) if seed is not None else 0.0,
+            varlen=varlen,
+            varlen_bottom_right=bottom_right and varlen is not None,
+            fast_tanh=fast_tanh,
+        )
+        extras = FlashExtras(
+            segment_ids=None if segment_ids is None else tuple(segment_ids),
+            cu_seqlens=None if cu_seqlens is None else tuple(cu_seqlens),
+            seed=seed,
         )
         out, lse = flash_attention_triton(
             query, key, value, _four_d(bias), None if mask is None else _four_d(mask).astype(jnp.int8),
-            None if softmax_aux is None else _sink_logits(softmax_aux), cfg,
+            None if softmax_aux is None else _sink_logits(softmax_aux), extras, cfg,
         )
         return AttentionOutput(attention_outputs=out, lse=lse)
-
-    def forward_rocm(self, *args, **kwargs) -> AttentionOutput:
-        return self.forward_cuda(*args, **kwargs)
 
     def forward_tpu(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
