@@ -83,6 +83,11 @@ def _sequence_of(cu_seqlens: jax.Array, length: int) -> tuple[jax.Array, jax.Arr
     return jnp.minimum(seq, cu_seqlens.shape[0] - 2), inside
 
 
+def varlen_rows(cu_seqlens: jax.Array, length: int) -> jax.Array:
+    """(length,) bool: rows of a packed axis that belong to a sequence, i.e. in [cu[0], cu[N])."""
+    return _sequence_of(jnp.asarray(cu_seqlens, jnp.int32), length)[1]
+
+
 def varlen_mask(
     cu_seqlens_q: jax.Array,
     cu_seqlens_k: jax.Array,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput
 from .capabilities import ALL_FLOAT_DTYPES, FEATURES, Capabilities, CausalAlignment
-from .masks import combine_masks, positional_mask, segment_mask, varlen_mask
+from .masks import combine_masks, positional_mask, segment_mask, varlen_mask, varlen_rows
 from .registry import AttentionRegistry
 from .sharding import run_sharded
 
@@ -43,7 +43,8 @@ def reference_attention(
 
     Arguments as in `AttentionImpl.__call__`; `scale` multiplies q·k, logits and softmax are computed
     in `softmax_dtype`. With `cu_seqlens` the causal/window rule applies per packed sequence
-    (`masks.varlen_mask`) instead of over the whole (T, S) grid.
+    (`masks.varlen_mask`) instead of over the whole (T, S) grid, and padding rows (outside
+    [cu_q[0], cu_q[N])) have LSE -inf even with sinks.
     """
     b, t, hq, d = query.shape
     s, hk = key.shape[1], key.shape[2]
@@ -76,6 +77,8 @@ def reference_attention(
         denom = denom + jnp.sum(jnp.exp(sinks - row_max), axis=-1, keepdims=True)
     probs = exp / jnp.where(denom == 0, 1, denom)
     lse = (jnp.log(denom) + row_max)[..., 0]  # log(0) = -inf for rows with nothing visible
+    if cu_seqlens is not None:  # padding rows belong to no sequence: no sink either
+        lse = jnp.where(varlen_rows(cu_seqlens[0], t), lse, -jnp.inf)
 
     weights = probs
     if dropout_rng is not None and dropout_prob > 0:

@@ -248,6 +248,18 @@ def test_vanilla_varlen_same_as_separate_vanilla_calls_and_gradients():
         close(g, r, atol=5e-5, rtol=5e-5)
 
 
+def test_varlen_padding_rows_have_no_sink():
+    lengths = [(3, 0), (4, 5)]  # a sequence without keys, then a normal one, then 2 padding rows
+    cu_q, cu_k = cu_of(lengths)
+    q, k, v = qkv(9, 1, 9, 5)
+    sinks = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
+    res = attention(q, k, v, cu_seqlens=(cu_q, cu_k), softmax_aux=sinks, return_lse=True)
+    lse, out = np.asarray(res.lse)[0], np.asarray(res.attention_outputs)[0]
+    np.testing.assert_allclose(lse[:, :3], np.broadcast_to(sinks[:, None], (4, 3)))  # only the sink is visible
+    assert np.all(lse[:, 7:] == -np.inf) and np.all(out[7:] == 0) and np.all(out[:3] == 0)
+    assert np.all(np.isfinite(lse[:, 3:7]))
+
+
 def test_varlen_traced_cu_seqlens_change_without_shape_change():
     q, k, v = qkv(5, 1, 12, 12)
     f = jax.jit(lambda cq, ck: attention(q, k, v, cu_seqlens=(cq, ck), causal=True).attention_outputs)
@@ -291,12 +303,10 @@ def test_sdpa_declines_segment_ids_and_varlen():
           per_sequence_reference(q, k, v, [(3, 3), (5, 5)], False, "top_left", None)[0])
 
 
-def test_flash_reasons_for_packing():
+def test_flash_tpu_reasons_for_packing():
     flash = AttentionRegistry.get("flash")
     base = dict(batch=1, q_len=256, kv_len=256, num_q_heads=2, num_kv_heads=2, head_dim=64, value_head_dim=64,
                 dtype="float32")
-    gpu = AttentionInputs(platform="gpu", backend="cuda", features={"segment_ids"}, **base)
-    assert any("'segment_ids' not supported by the GPU kernels yet" in r for r in flash.not_supported_reasons(gpu))
     tpu = AttentionInputs(platform="tpu", backend="tpu", features={"segment_ids", "causal", "backward"}, **base)
     assert flash.not_supported_reasons(tpu) == []
     for feature in ("varlen", "dropout"):
