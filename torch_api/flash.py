@@ -13,12 +13,23 @@ Causal alignment (L=3, S=5):
 
 A window (left, right) keeps keys within `left` before and `right` after each query's diagonal
 position (-1: unbounded), following the same alignment.
+
+Segment ids (B, L) / (B, S): query i of batch b sees key j only where their ids are equal (on top of
+causality and the window, whose positions stay global).
+
+Varlen packing (flash-attn's layout): with `cu_seqlens_q` / `cu_seqlens_k` (N + 1,), q is
+(total_q, Hq, E) and k/v are (total_k, Hk, E|Ev), holding N sequences back to back; sequence n has
+queries [cu_q[n], cu_q[n + 1]) and keys [cu_k[n], cu_k[n + 1]). Causality and windows use positions
+local to each sequence (bottom-right: offset len_k(n) - len_q(n)). Query rows from cu_q[N] on
+(padding) give 0 and LSE -inf.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Optional, Sequence, Union
 
+import jax
+import jax.numpy as jnp
 import torch
 
 from ..bridge import jax_op
@@ -27,37 +38,156 @@ from .selection import normalize_choice
 from .validation import AttentionInputError, check_finite, check_qkv
 
 _DEFAULT_ORDER = ("flash", "sdpa", "vanilla")
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _flash_body(query, key, value, sinks, *, causal, causal_alignment, window, softcap, scale, return_lse,
+def _flash_body(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
+                causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, return_lse,
                 implementation, platform):
+    """(B, Hq, L, E) / (B, Hk, S, E|Ev) arrays, or packed (total, H, E) ones with cu_seqlens."""
+    varlen = cu_seqlens_q is not None
+    segment_ids = cu_seqlens = None
+    if q_segment_ids is not None:
+        kv_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        segment_ids = (q_segment_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+    if varlen:  # (total, H, E) -> (1, total, H, E): a free reshape
+        query, key, value = query[None], key[None], value[None]
+        cu_seqlens = (cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32))
+    rng = None if seed is None else jax.random.fold_in(jax.random.key(seed[0]), seed[1])
     out = attention(
         query, key, value, causal=causal, causal_alignment=causal_alignment, sliding_window=window,
-        logits_soft_cap=softcap, softmax_aux=sinks, return_lse=return_lse, implementation=implementation,
-        metadata=AttentionMetadata(softmax_scale=scale, platform=platform), layout="BHTD",
+        logits_soft_cap=softcap, softmax_aux=sinks, dropout_rng=rng, return_lse=return_lse,
+        implementation=implementation, layout="BTHD" if varlen else "BHTD", segment_ids=segment_ids,
+        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
     )
-    return (out.attention_outputs, out.lse) if return_lse else out.attention_outputs
+    result, lse = out.attention_outputs, out.lse
+    if varlen:  # (1, total_q, Hq, Ev) -> (total_q, Hq, Ev); LSE (1, Hq, total_q) -> (Hq, total_q)
+        result, lse = result[0], None if lse is None else lse[0]
+    return (result, lse) if return_lse else result
 
 
 @jax_op(name="jaxattn.flash")
-def _flash_jax(query, key, value, sinks, *, causal, causal_alignment, window, softcap, scale, implementation, platform):
-    return _flash_body(query, key, value, sinks, causal=causal, causal_alignment=causal_alignment, window=window,
-                       softcap=softcap, scale=scale, return_lse=False, implementation=implementation, platform=platform)
+def _flash_jax(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
+               causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation, platform):
+    return _flash_body(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
+                       causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap, scale=scale,
+                       dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=False, implementation=implementation,
+                       platform=platform)
 
 
 @jax_op(name="jaxattn.flash_lse", num_outputs=2)
-def _flash_lse_jax(query, key, value, sinks, *, causal, causal_alignment, window, softcap, scale, implementation,
-                   platform):
-    return _flash_body(query, key, value, sinks, causal=causal, causal_alignment=causal_alignment, window=window,
-                       softcap=softcap, scale=scale, return_lse=True, implementation=implementation, platform=platform)
+def _flash_lse_jax(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
+                   causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation, platform):
+    return _flash_body(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
+                       causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap, scale=scale,
+                       dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=True, implementation=implementation,
+                       platform=platform)
 
 
-def _not_yet(name: str, value) -> None:
-    if value is not None:
-        raise NotImplementedError(
-            f"{name}={value!r}: not supported by jaxattn's flash kernels yet; pad the batch and pass a "
-            "bool attn_mask to scaled_dot_product_attention instead."
+def _describe(t) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+
+
+def _check_varlen_qkv(q, k, v) -> None:
+    """Packed q (total_q, Hq, E), k (total_k, Hk, E), v (total_k, Hk, Ev)."""
+    for name, t, want in (("q", q, "(total_q, Hq, E)"), ("k", k, "(total_k, Hk, E)"), ("v", v, "(total_k, Hk, Ev)")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 3:
+            raise AttentionInputError(
+                f"{name}: with cu_seqlens_q the inputs are packed {want}, got shape {tuple(t.shape)} "
+                "(drop cu_seqlens_q/cu_seqlens_k for the (B, H, L, E) layout)."
+            )
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if k.shape[:2] != v.shape[:2]:
+        raise AttentionInputError(f"k and v: (total_k, Hk) differ ({shapes}); they hold the same packed keys.")
+    if k.shape[2] != q.shape[2]:
+        raise AttentionInputError(f"k: head dim {k.shape[2]} != q head dim {q.shape[2]} ({shapes}).")
+    if q.shape[1] % k.shape[1]:
+        raise AttentionInputError(f"q: {q.shape[1]} heads is not a multiple of k's {k.shape[1]} heads ({shapes}).")
+    # dtypes, devices, empty tensors: the (H, total, E) views are checked like (H, L, E) tensors
+    check_qkv(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True)
+
+
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q) -> None:
+    """(N + 1,) int32/int64 tensors on q's device; their values are not read (no host sync)."""
+    if cu_seqlens_k is None:
+        raise AttentionInputError("cu_seqlens_k: required with cu_seqlens_q (the (N + 1,) cumulative key lengths).")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.numel() < 2:
+            raise AttentionInputError(
+                f"{name}: expected a 1-D int32 tensor of N + 1 >= 2 cumulative lengths, got {_describe(t)} "
+                "(e.g. torch.tensor([0, 5, 12], dtype=torch.int32, device=q.device))."
+            )
+        if t.device != q.device:
+            raise AttentionInputError(f"{name}: on {t.device} but q is on {q.device} (move it with .to(q.device)).")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise AttentionInputError(
+            f"cu_seqlens_q and cu_seqlens_k: lengths {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()} differ; "
+            "both hold N + 1 boundaries of the same N sequences."
         )
+
+
+def _max_seqlen(name: str, value, total: int) -> int:
+    """A per-sequence length bound as a static argument, rounded up to a power of two (at most `total`)."""
+    if value is None:
+        return total
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AttentionInputError(f"{name}={value!r}: expected None or a Python int >= 1 (the longest sequence).")
+    return min(1 << (value - 1).bit_length(), total)
+
+
+def _segment_pair(segment_ids, q, b: int, l: int, s: int):
+    """(q_ids (B, L), kv_ids (B, S) or None when one tensor serves both) from the `segment_ids` argument."""
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise AttentionInputError(f"segment_ids: expected a (q_ids, kv_ids) pair, got {len(segment_ids)} items.")
+        pairs = (("q_ids", segment_ids[0], (b, l)), ("kv_ids", segment_ids[1], (b, s)))
+    else:
+        if l != s:
+            raise AttentionInputError(
+                f"segment_ids: one tensor ({_describe(segment_ids)}) serves queries and keys, so it needs L == S, "
+                f"but L={l} and S={s}; pass a pair (q_ids (B, L)=({b}, {l}), kv_ids (B, S)=({b}, {s}))."
+            )
+        pairs = (("segment_ids", segment_ids, (b, l)),)
+    for name, t, want in pairs:
+        if not isinstance(t, torch.Tensor) or t.dtype not in _INT_DTYPES or tuple(t.shape) != want:
+            raise AttentionInputError(
+                f"segment_ids: {name} has {_describe(t)}; expected an integer tensor of shape (B, "
+                f"{'S' if name == 'kv_ids' else 'L'}) = {want}."
+            )
+        if t.device != q.device:
+            raise AttentionInputError(f"segment_ids: {name} is on {t.device} but q is on {q.device}.")
+    return pairs[0][1], (pairs[1][1] if len(pairs) == 2 else None)
+
+
+def _check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise AttentionInputError(f"dropout_p={dropout_p!r}: expected a float in [0, 1) (0 disables dropout).")
+    return float(dropout_p)
+
+
+def _check_options(causal_alignment, window, softcap, sinks, scale, hq: int, device) -> Optional[tuple[int, int]]:
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise AttentionInputError(f"causal_alignment={causal_alignment!r}: expected 'top_left' or 'bottom_right'.")
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
+            raise AttentionInputError(f"window={window!r}: expected (left, right) ints >= -1.")
+        window = tuple(window)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise AttentionInputError(f"softcap={softcap!r}: expected a positive float or None.")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() not in (1, 2) or sinks.shape[0] != hq:
+            raise AttentionInputError(
+                f"sinks: expected a (Hq,) or (Hq, n) tensor with Hq={hq}, got "
+                f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}."
+            )
+        if not sinks.dtype.is_floating_point or sinks.device != device:
+            raise AttentionInputError(f"sinks: expected a float tensor on {device}, got {sinks.dtype} on {sinks.device}.")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale={scale!r}: expected None or a float.")
+    return window
 
 
 def flash_attention(
@@ -70,7 +200,7 @@ def flash_attention(
     window: Optional[tuple[int, int]] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
-    segment_ids: Optional[torch.Tensor] = None,
+    segment_ids: Union[None, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = None,
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
@@ -82,61 +212,82 @@ def flash_attention(
 ):
     """Attention with flash-attention features, differentiable and torch.compile-traceable.
 
+    Two layouts: padded (B, H, L, E) tensors, or, with `cu_seqlens_q`, flash-attn's varlen layout
+    of packed (total, H, E) tensors (see the module docstring).
+
     Args:
-        q: (B, Hq, L, E).
-        k: (B, Hk, S, E); K/V heads are never repeated in memory.
-        v: (B, Hk, S, Ev).
-        causal: apply a causal mask aligned by `causal_alignment` (see the module docstring).
+        q: (B, Hq, L, E), or (total_q, Hq, E) with cu_seqlens.
+        k: (B, Hk, S, E), or (total_k, Hk, E); K/V heads are never repeated in memory.
+        v: (B, Hk, S, Ev), or (total_k, Hk, Ev).
+        causal: apply a causal mask aligned by `causal_alignment` (see the module docstring); with
+            cu_seqlens, per sequence.
         causal_alignment: "top_left" (torch's is_causal) or "bottom_right".
         window: (left, right) sliding window, -1 = unbounded on that side.
         softcap: c in c * tanh(logits / c).
         sinks: (Hq,) or (Hq, n) float attention-sink logits (gpt-oss style); differentiable.
-        segment_ids, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: varlen packing and
-            segments; not supported yet (raise NotImplementedError).
-        dropout_p: must be 0 here for now; `scaled_dot_product_attention` has dropout.
+        segment_ids: (B, L) integer tensor used for queries and keys (then L must equal S), or a
+            pair (q_ids (B, L), kv_ids (B, S)); query i sees key j only where the ids are equal.
+            Any integer dtype (converted to int32 inside JAX); not with cu_seqlens.
+        cu_seqlens_q: (N + 1,) int32 (or int64) tensor on q's device: cumulative query lengths of
+            the N packed sequences, cu_seqlens_q[0] == 0 (values are not checked: no host sync).
+        cu_seqlens_k: (N + 1,) cumulative key lengths; required with cu_seqlens_q.
+        max_seqlen_q: Python int bounding the longest packed query sequence, or None (unknown: the
+            packed length bounds it); only with cu_seqlens. GPU kernels size their grid by it. It is
+            rounded up to a power of two (at most total_q) before it becomes a static argument of
+            the compiled op, so batches with varying longest sequences reuse a few compilations
+            instead of compiling once per distinct value.
+        max_seqlen_k: the same for keys.
+        dropout_p: probability in [0, 1) of dropping an attention weight. The randomness comes from
+            torch's RNG on q's device (`torch.manual_seed` reproduces it); backward reuses the
+            forward's mask.
         scale: softmax scale, default 1/sqrt(E).
-        return_lse: also return the (B, Hq, L) float32 log-sum-exp (sinks included).
+        return_lse: also return the float32 log-sum-exp (sinks included; -inf for rows that see no
+            key): (B, Hq, L), or (Hq, total_q) with cu_seqlens (flash-attn's varlen convention).
         implementation: None tries "flash", then "sdpa", then "vanilla" (the first that supports the
             call; on CPU that is the reference); a name forces one.
 
     Returns:
-        (B, Hq, L, Ev) output, or (output, lse) with `return_lse`.
+        (B, Hq, L, Ev) output, or (total_q, Hq, Ev) with cu_seqlens; (output, lse) with `return_lse`.
+
+    Raises:
+        AttentionInputError (a ValueError and RuntimeError): malformed arguments.
+        TypeError: arguments of the wrong type.
+        ValueError / NotImplementedError: no implementation can run the call (with reasons).
     """
-    check_qkv(q, k, v, enable_gqa=True)
-    if q.dim() != 4:
-        raise AttentionInputError(f"q: expected (B, Hq, L, E), got shape {tuple(q.shape)}.")
-    for name, value in (("segment_ids", segment_ids), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        _not_yet(name, value)
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p!r}: the flash path has no dropout yet; use scaled_dot_product_attention(dropout_p=...)."
-        )
-    if causal_alignment not in ("top_left", "bottom_right"):
-        raise AttentionInputError(f"causal_alignment={causal_alignment!r}: expected 'top_left' or 'bottom_right'.")
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
-            raise AttentionInputError(f"window={window!r}: expected (left, right) ints >= -1.")
-        window = tuple(window)
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
-        raise AttentionInputError(f"softcap={softcap!r}: expected a positive float or None.")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or sinks.dim() not in (1, 2) or sinks.shape[0] != q.shape[1]:
-            raise AttentionInputError(
-                f"sinks: expected a (Hq,) or (Hq, n) tensor with Hq={q.shape[1]}, got "
-                f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}."
-            )
-        if not sinks.dtype.is_floating_point or sinks.device != q.device:
-            raise AttentionInputError(f"sinks: expected a float tensor on {q.device}, got {sinks.dtype} on {sinks.device}.")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale={scale!r}: expected None or a float.")
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        _check_varlen_qkv(q, k, v)
+        _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
+        if segment_ids is not None:
+            raise AttentionInputError("segment_ids: not with cu_seqlens_q/cu_seqlens_k; pass one packing or the other.")
+    else:
+        check_qkv(q, k, v, enable_gqa=True)
+        if q.dim() != 4:
+            raise AttentionInputError(f"q: expected (B, Hq, L, E), got shape {tuple(q.shape)}.")
+        for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                shown = _describe(value) if isinstance(value, torch.Tensor) else repr(value)
+                raise AttentionInputError(f"{name} ({shown}): only used with cu_seqlens_q (the varlen layout); pass "
+                                          "both cu_seqlens_q and cu_seqlens_k, or drop it.")
+    window = _check_options(causal_alignment, window, softcap, sinks, scale, q.shape[1], q.device)
+    dropout_p = _check_dropout(dropout_p)
+    q_ids = kv_ids = None
+    if segment_ids is not None:
+        q_ids, kv_ids = _segment_pair(segment_ids, q, q.shape[0], q.shape[2], k.shape[2])
+    max_seqlen = None
+    if varlen and (max_seqlen_q is not None or max_seqlen_k is not None):
+        max_seqlen = (_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0]),
+                      _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0]))
     choice = normalize_choice(implementation) if implementation is not None else _DEFAULT_ORDER
     check_finite({"q": q, "k": k, "v": v})
+    seed = None
+    if dropout_p > 0:
+        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=q.device)
     static = dict(
         causal=bool(causal), causal_alignment=causal_alignment, window=window,
         softcap=None if softcap is None else float(softcap), scale=None if scale is None else float(scale),
-        implementation=choice, platform="cpu" if q.device.type == "cpu" else "gpu",
+        dropout_p=dropout_p, max_seqlen=max_seqlen, implementation=choice,
+        platform="cpu" if q.device.type == "cpu" else "gpu",
     )
-    if return_lse:
-        return _flash_lse_jax(q, k, v, sinks, **static)
-    return _flash_jax(q, k, v, sinks, **static)
+    op = _flash_lse_jax if return_lse else _flash_jax
+    return op(q, k, v, sinks, q_ids, kv_ids, cu_seqlens_q, cu_seqlens_k, seed, **static)
