@@ -37,8 +37,18 @@ def bench_shape(b, h, l, d, causal, iters, extra=None):
     dout = torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16)
     extra = extra or {}
     sinks = torch.randn(h, device="cuda", requires_grad=True) if extra.get("sinks") else None
-    kw = dict(causal=causal, softcap=extra.get("softcap"), sinks=sinks)
+    kw = dict(causal=causal, softcap=extra.get("softcap"), sinks=sinks, dropout_p=extra.get("dropout", 0.0))
+    if extra.get("segments"):  # `segments` documents of equal length packed in each row
+        ids = torch.arange(l, device="cuda") * extra["segments"] // l
+        kw["segment_ids"] = ids[None].expand(b, l).contiguous()
+    if extra.get("varlen"):  # the batch packed as `b` sequences of length l: same work as the padded batch
+        q, k, v = (x.detach().transpose(1, 2).reshape(b * l, h, d).requires_grad_() for x in (q, k, v))
+        dout = dout.transpose(1, 2).reshape(b * l, h, d)
+        cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * l
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=l, max_seqlen_k=l)
     f = flops(b, h, l, l, d, causal)
+    if extra.get("segments"):
+        f /= extra["segments"]  # only the useful work
     row = {"shape": [b, h, l, d], "causal": causal, **{k: v for k, v in extra.items()}}
 
     def ours_fwd():
@@ -105,6 +115,41 @@ def peak_memory(b, h, l, d):
     return out
 
 
+SELECTION_SHAPES = [  # (B, H, L, D, causal, dtype)
+    (1, 4, 128, 64, False, torch.bfloat16),
+    (4, 16, 512, 64, False, torch.bfloat16),
+    (16, 16, 1024, 64, True, torch.bfloat16),
+    (8, 16, 2048, 128, False, torch.bfloat16),
+    (2, 16, 8192, 128, True, torch.bfloat16),
+    (2, 16, 8192, 128, True, torch.float16),
+    (2, 8, 8192, 256, True, torch.bfloat16),
+]
+
+
+def selection_row(b, h, l, d, causal, dtype):
+    """Forward and forward+backward time (µs) of our cuDNN path ("sdpa") and our kernels ("flash"),
+    both through the torch API: the measurements behind automatic selection on CUDA."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=dtype).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=dtype)
+    row = {"shape": [b, h, l, d], "causal": causal, "dtype": str(dtype).split(".")[-1]}
+    iters = 20 if l <= 2048 else 5
+    for impl in ("sdpa", "flash"):
+        def fwd():
+            with torch.no_grad():
+                flash_attention(q, k, v, causal=causal, implementation=impl)
+
+        def fb():
+            out = flash_attention(q, k, v, causal=causal, implementation=impl)
+            torch.autograd.grad(out, (q, k, v), dout)
+        try:
+            row[f"{impl}_fwd_us"] = time_torch(fwd, iters=iters)
+            row[f"{impl}_fwdbwd_us"] = time_torch(fb, iters=iters)
+        except Exception as exc:  # e.g. a head dim cuDNN rejects
+            row[f"{impl}_error"] = str(exc)[:160]
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -119,6 +164,10 @@ def main():
             bench_shape(2, 8, 8192, 256, True, 3),
             bench_shape(2, 16, 8192, 128, True, 5, {"softcap": 30.0}),
             bench_shape(2, 16, 8192, 128, True, 5, {"sinks": True}),
+            bench_shape(2, 16, 8192, 128, True, 5, {"segments": 1}),
+            bench_shape(2, 16, 8192, 128, True, 5, {"segments": 4}),
+            bench_shape(2, 16, 8192, 128, True, 5, {"varlen": True}),
+            bench_shape(2, 16, 8192, 128, True, 5, {"dropout": 0.1}),
         ]
     result = {
         "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
@@ -128,6 +177,7 @@ def main():
     }
     if not args.quick:
         result["memory_1x32x16384x128"] = peak_memory(1, 32, 16384, 128)
+        result["selection"] = [selection_row(*shape) for shape in SELECTION_SHAPES]
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

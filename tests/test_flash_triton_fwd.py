@@ -301,6 +301,8 @@ def test_block_size_helpers():
             bm, bn, warps, stages = fwd_block_sizes(D, D, nbytes)
             assert bm >= 16 and bn >= 16 and warps in (4, 8) and stages >= 1
             assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0
-    assert fwd_block_sizes(128, 128, 2)[:2] == (128, 64)
+    for D in (64, 128, 256):  # Q tile + `stages` K and V tiles fit an H100's 227 KiB of shared memory
+        bm, bn, _, stages = fwd_block_sizes(D, D, 2)
+        assert (bm * D + stages * 2 * bn * D) * 2 <= 227 * 1024
     assert fwd_block_sizes(256, 256, 2)[1] <= 64  # D = 256: narrower key blocks
     assert all(fwd_block_sizes(D, D, 4)[2] == 4 for D in (64, 128, 256))  # fp32: 4 warps

@@ -98,3 +98,88 @@ def test_flash_through_sdpa_with_masks(mask_kind):
     low_grads = torch.autograd.grad(low, inputs, dout)
     for g, rg, lg in zip(grads, ref_grads, low_grads):
         assert _err(g, rg.double()) <= 2 * _err(lg, rg.double()) + 1e-3
+
+
+# ------------------------------------------------------------------ segment ids, varlen, dropout (torch API)
+
+def _check_2x(out, ref, low, grads, ref_grads, low_grads):
+    assert _err(out, ref) <= 2 * _err(low, ref) + 1e-3
+    for name, g, rg, lg in zip("qkv", grads, ref_grads, low_grads):
+        assert _err(g, rg.double()) <= 2 * _err(lg, rg.double()) + 1e-3, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_segment_ids_on_gpu(dtype, causal):
+    gen = torch.Generator(device=DEV).manual_seed(21 + causal)
+    b, hq, hk, l, s, d = 2, 8, 2, 1025, 1100, 80
+    q = torch.randn(b, hq, l, d, generator=gen, device=DEV).to(dtype).requires_grad_()
+    k, v = (torch.randn(b, hk, s, d, generator=gen, device=DEV).to(dtype).requires_grad_() for _ in "kv")
+    # packed documents of unequal lengths, padding marked 0 at the end; the second row shifted
+    q_ids = torch.tensor([1] * 300 + [2] * 97 + [3] * 600 + [0] * 28, device=DEV)
+    kv_ids = torch.tensor([1] * 350 + [2] * 120 + [3] * 600 + [0] * 30, device=DEV)
+    q_ids, kv_ids = torch.stack([q_ids, q_ids.roll(50)]), torch.stack([kv_ids, kv_ids.roll(70)])
+    out = flash_attention(q, k, v, causal=causal, causal_alignment="bottom_right", segment_ids=(q_ids, kv_ids),
+                          implementation="flash")
+    mask = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    kw = dict(causal=causal, alignment="bottom_right", mask=mask)
+    ref, _ = reference(q, k, v, **kw)
+    low, _ = reference(q, k, v, dtype=dtype, **kw)
+    dout = torch.randn(out.shape, generator=gen, device=DEV).to(dtype)
+    _check_2x(out, ref, low, torch.autograd.grad(out, (q, k, v), dout),
+              torch.autograd.grad(ref, (q, k, v), dout.double()), torch.autograd.grad(low, (q, k, v), dout))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_flash_varlen_on_gpu(dtype, alignment):
+    gen = torch.Generator(device=DEV).manual_seed(5 + len(alignment))
+    lens_q, lens_k = [1, 97, 1025, 300], [5, 97, 1100, 257]
+    hq, hk, d = 8, 4, 128
+    q = torch.randn(sum(lens_q), hq, d, generator=gen, device=DEV).to(dtype).requires_grad_()
+    k, v = (torch.randn(sum(lens_k), hk, d, generator=gen, device=DEV).to(dtype).requires_grad_() for _ in "kv")
+    cu_q = torch.tensor([0] + lens_q, device=DEV).cumsum(0).int()
+    cu_k = torch.tensor([0] + lens_k, device=DEV).cumsum(0).int()
+    out, lse = flash_attention(q, k, v, causal=True, causal_alignment=alignment, cu_seqlens_q=cu_q,
+                               cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                               return_lse=True, implementation="flash")
+    assert out.shape == (sum(lens_q), hq, d) and lse.shape == (hq, sum(lens_q))
+    dout = torch.randn(out.shape, generator=gen, device=DEV).to(dtype)
+    pieces = {"ref": [], "low": []}
+    for n in range(len(lens_q)):
+        qs, ks = slice(int(cu_q[n]), int(cu_q[n + 1])), slice(int(cu_k[n]), int(cu_k[n + 1]))
+        qn, kn, vn = (x.transpose(0, 1)[None] for x in (q[qs], k[ks], v[ks]))
+        pieces["ref"].append(reference(qn, kn, vn, causal=True, alignment=alignment)[0][0].transpose(0, 1))
+        pieces["low"].append(reference(qn, kn, vn, causal=True, alignment=alignment, dtype=dtype)[0][0].transpose(0, 1))
+    ref, low = torch.cat(pieces["ref"]), torch.cat(pieces["low"])
+    _check_2x(out, ref, low, torch.autograd.grad(out, (q, k, v), dout),
+              torch.autograd.grad(ref, (q, k, v), dout.double()), torch.autograd.grad(low, (q, k, v), dout))
+
+
+def test_flash_dropout_on_gpu_is_seeded_unbiased_and_differentiable():
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 97, 64, generator=gen, device=DEV).bfloat16().requires_grad_() for _ in "qkv")
+
+    def run(seed):
+        torch.manual_seed(seed)
+        out = flash_attention(q, k, v, causal=True, dropout_p=0.2, implementation="flash")
+        return out, torch.autograd.grad(out.float().square().sum(), (q, k, v))
+
+    (a, ga), (b, gb), (c, _) = run(0), run(0), run(1)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+    assert not torch.equal(a, c)
+    assert all(torch.isfinite(g).all() for g in ga)
+    plain = flash_attention(q, k, v, causal=True, implementation="flash").double()
+    with torch.no_grad():
+        mean = sum(flash_attention(q, k, v, causal=True, dropout_p=0.2, implementation="flash").double()
+                   for _ in range(400)) / 400
+    assert (mean - plain).abs().mean() < 0.02 * plain.abs().mean() + 2e-3
+
+
+def test_sdpa_dropout_on_gpu_selects_flash():
+    q, k, v = (torch.randn(2, 4, 128, 64, device=DEV, dtype=torch.bfloat16) for _ in "qkv")
+    torch.manual_seed(0)
+    a = scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    torch.manual_seed(0)
+    b = scaled_dot_product_attention(q, k, v, dropout_p=0.1, implementation="flash")
+    assert torch.equal(a, b)
