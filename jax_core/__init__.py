@@ -4,19 +4,22 @@ Implementations register in `AttentionRegistry`; `attention()` selects and runs 
 (B, T, H, D) throughout; bias and masks broadcast to (B, Hq, T, S).
 """
 
+from . import decode as _decode  # noqa: F401  (registers "decode", "autoregressive_decodeattn")
 from . import flash as _flash  # noqa: F401  (registers "flash", "flash_attn2")
 from . import sdpa as _sdpa  # noqa: F401  (registers "sdpa", "cudnn", "cuda_flash_attn2")
 from . import vanilla as _vanilla  # noqa: F401  (registers "vanilla")
-from .base import AttentionImpl, AttentionOutput, Layout
+from .base import DECODE_MAX_QUERY_LEN, AttentionImpl, AttentionOutput, Layout, mode_for
 from .capabilities import FEATURES, AttentionInputs, Capabilities
+from .decode import DecodeAttn, decode_attention
 from .dispatch import Implementation, attention
 from .masks import positional_mask
 from .metadata import AttentionMetadata, PartitionAxis, backend_of, platform_of
-from .registry import PRIORITIES, AttentionRegistry, ImplementationUnavailableError
+from .registry import MODE_PRIORITIES, PRIORITIES, AttentionRegistry, ImplementationUnavailableError
 from .vanilla import reference_attention
 
 __all__ = [
     "AttentionImpl", "AttentionInputs", "AttentionMetadata", "AttentionOutput", "AttentionRegistry",
     "Capabilities", "FEATURES", "ImplementationUnavailableError", "Implementation", "Layout", "PRIORITIES", "PartitionAxis", "attention",
     "backend_of", "platform_of", "positional_mask", "reference_attention",
+    "DECODE_MAX_QUERY_LEN", "DecodeAttn", "MODE_PRIORITIES", "decode_attention", "mode_for",
 ]

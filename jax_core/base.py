@@ -27,6 +27,18 @@ from .metadata import AttentionMetadata, Mode, backend_of, platform_of
 
 Layout = Literal["BTHD", "BHTD"]
 
+#: The most new queries per sequence that count as decoding (one token, or a few drafted tokens of
+#: speculative decoding) when they attend to a longer key/value cache.
+DECODE_MAX_QUERY_LEN = 16
+
+
+def mode_for(q_len: int, kv_len: Optional[int] = None) -> Mode:
+    """"__autoregressive__" for one query, or for 2..DECODE_MAX_QUERY_LEN queries against a longer
+    key/value cache (when `kv_len` is given); "__train__" otherwise."""
+    if q_len == 1 or (kv_len is not None and q_len <= DECODE_MAX_QUERY_LEN and kv_len > q_len):
+        return "__autoregressive__"
+    return "__train__"
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +110,11 @@ class AttentionImpl(abc.ABC):
         backend = jax.default_backend()
         return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
-    def get_mode(self, q: jax.Array, BTHD: bool = True) -> Mode:
-        """"__autoregressive__" when the query length is 1, else "__train__"."""
+    def get_mode(self, q: jax.Array, BTHD: bool = True, kv_len: Optional[int] = None) -> Mode:
+        """"__autoregressive__" when the query length is 1 (or, given the key/value length, a few
+        queries against a longer cache: `mode_for`), else "__train__"."""
         q_len = q.shape[1] if BTHD else q.shape[2]
-        return "__autoregressive__" if q_len == 1 else "__train__"
+        return mode_for(q_len, kv_len)
 
     @staticmethod
     def repeat_kv_heads(k: jax.Array, v: jax.Array, num_reps: int) -> tuple[jax.Array, jax.Array]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, TypeVar
 
-from .base import AttentionImpl
+from .base import AttentionImpl, mode_for
 from .capabilities import AttentionInputs
 from .metadata import AttentionMetadata
 
@@ -17,10 +17,38 @@ class ImplementationUnavailableError(ValueError, NotImplementedError):
 
 #: Automatic selection order per platform; names not registered are skipped.
 PRIORITIES: dict[str, tuple[str, ...]] = {
-    # cuDNN (through sdpa) first; flash takes what cuDNN cannot (soft cap, sinks, bottom-right, ...).
+    # cuDNN (through sdpa) first; flash takes what cuDNN cannot (soft cap, sinks, bottom-right, ...)
+    # and, on CUDA, the shapes where it measured faster (`platform_order`).
     "gpu": ("sdpa", "flash", "vanilla"),
     "tpu": ("flash", "sdpa", "vanilla"),
     "cpu": ("sdpa", "vanilla"),
+}
+
+#: On CUDA, cuDNN (through `sdpa`) goes before `flash` only for long sequences with head dims up to
+#: 128: there it was faster, elsewhere our kernels were (`benchmarks/flash_gpu.py` selection table,
+#: H100, 2026-11-22: cuDNN 1.03 ms vs flash 1.35 ms forward at (2, 16, 8192, 128) causal; flash ahead
+#: at (16, 16, 1024, 64) forward+backward, at every size below, and 5.5x ahead at head dim 256).
+CUDNN_MIN_QUERY_KEY_PAIRS = 4096 * 4096
+
+
+def platform_order(inputs: AttentionInputs) -> tuple[str, ...]:
+    """`PRIORITIES[inputs.platform]`, with `flash` moved before `sdpa` on CUDA where it measured faster."""
+    order = PRIORITIES.get(inputs.platform, ("vanilla",))
+    if inputs.backend != "cuda" or "flash" not in order or "sdpa" not in order:
+        return order
+    cudnn_faster = (inputs.q_len * inputs.kv_len >= CUDNN_MIN_QUERY_KEY_PAIRS
+                    and max(inputs.head_dim, inputs.value_head_dim) <= 128)
+    if cudnn_faster:
+        return order
+    rest = tuple(n for n in order if n != "flash")
+    at = rest.index("sdpa")
+    return rest[:at] + ("flash",) + rest[at:]
+
+
+#: Implementations tried before the platform's list in a mode (`base.mode_for(q_len, kv_len)`):
+#: decoding calls on GPU go to the split-K decode kernel first.
+MODE_PRIORITIES: dict[str, dict[str, tuple[str, ...]]] = {
+    "__autoregressive__": {"gpu": ("decode",)},
 }
 
 
@@ -83,7 +111,8 @@ class AttentionRegistry:
         Args:
             inputs: the call's signature.
             metadata: settings (a mesh adds divisibility rules).
-            implementation: None for automatic selection by `PRIORITIES[inputs.platform]`; a name to
+            implementation: None for automatic selection by `MODE_PRIORITIES` for the call's mode,
+                then `PRIORITIES[inputs.platform]`; a name to
                 force one; a tuple of names to choose among them in that order.
 
         Raises:
@@ -100,7 +129,9 @@ class AttentionRegistry:
                 )
             return impl
         if implementation is None:
-            names = [n for n in PRIORITIES.get(inputs.platform, ("vanilla",)) if n in cls._impls]
+            mode = mode_for(inputs.q_len, inputs.kv_len)
+            ordered = MODE_PRIORITIES.get(mode, {}).get(inputs.platform, ()) + platform_order(inputs)
+            names = [n for n in dict.fromkeys(ordered) if n in cls._impls]
         else:
             names = list(implementation)
             for name in names:

@@ -1,0 +1,262 @@
+"""The Triton decode kernels as a JAX function, launched with jax-triton.
+
+`decode_attention_triton(q, k, v, lengths, starts, block_table, sinks, cfg)` returns (out, lse).
+jax-triton is imported when a kernel is launched (it needs a GPU build of jaxlib), so this module
+imports on any machine. Entry kernels take every scalar as a constexpr (jax-triton's convention:
+inputs, then outputs, then constexprs); the cache lengths, starts and block table are device arrays,
+so ragged lengths that change every step reuse one compilation.
+
+Shape legend: B batch, T queries per sequence, Hq / Hkv query / KV heads, S cache capacity,
+D / Dv head dims, P pages, PS page size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from .decode_triton import decode_merge_kernel, decode_split_kernel
+
+#: Cache layouts: contiguous (B, S, Hkv, D) or (B, Hkv, S, D), or pages (P, PS, Hkv, D).
+CACHE_LAYOUTS = ("BSHD", "BHSD", "paged")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static settings of one decode call (hashable: part of the JAX trace).
+
+    Attributes:
+        scale: multiplier of q·k.
+        causal: query t sees positions j <= its own (pos = length - T + t + pos_shift).
+        window: (left, right) around each query's position, -1 = unbounded.
+        pos_shift: added to every query's position (0: the queries are the last T positions).
+        softcap: c in c * tanh(logits / c), or None.
+        q_layout: "BTHD" (B, T, Hq, D) or "BHTD" (B, Hq, T, D); the output has the same layout.
+        cache_layout: one of `CACHE_LAYOUTS`.
+        fast_tanh: hardware tanh for the soft cap (NVIDIA only; 16-bit inputs).
+        num_splits: key-range shares per sequence (split-K); None: `num_splits_for`.
+        tiles: (BLOCK_N, num_warps, num_stages) override; None: `decode_tiles`.
+        num_sms: multiprocessors the split heuristic fills; None: asks the device (132 if unknown).
+    """
+
+    scale: float
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    pos_shift: int = 0
+    softcap: Optional[float] = None
+    q_layout: str = "BTHD"
+    cache_layout: str = "BSHD"
+    fast_tanh: bool = False
+    num_splits: Optional[int] = None
+    tiles: Optional[tuple[int, int, int]] = None
+    num_sms: Optional[int] = None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def decode_tiles(d: int, dv: int, dtype_bytes: int) -> tuple[int, int, int]:
+    """Default (BLOCK_N, num_warps, num_stages) for an H100 (see benchmarks/decode_gpu.py --sweep)."""
+    width = max(_next_pow2(d), _next_pow2(dv))
+    if dtype_bytes >= 4:
+        return (32, 4, 2) if width > 128 else (64, 4, 2)
+    if width > 128:
+        return 32, 4, 3
+    return 64, 4, 3
+
+
+def row_block(rows: int, d: int) -> int:
+    """BLOCK_M for G * T query rows: a power of two >= 16 (tl.dot's minimum), at most 64 (32 for D > 128)."""
+    return min(max(16, _next_pow2(rows)), 32 if d > 128 else 64)
+
+
+def num_splits_for(programs: int, key_blocks: int, num_sms: int) -> int:
+    """Key-range shares per sequence: enough programs for about four per multiprocessor, each
+    share at least four key blocks, at most 64 shares."""
+    want = -(-4 * num_sms // max(programs, 1))
+    return int(max(1, min(want, -(-key_blocks // 4), 64)))
+
+
+def _device_sms() -> int:
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except RuntimeError:
+        return 132
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return out[::-1]
+
+
+def _q_strides(shape, layout: str) -> tuple[int, int, int, int]:
+    """(b, t, h, d) strides of a contiguous query/output array in `layout`."""
+    sb, s1, s2, sd = _strides(shape)
+    return (sb, s1, s2, sd) if layout == "BTHD" else (sb, s2, s1, sd)
+
+
+def _cache_strides(shape, layout: str) -> tuple[int, int, int, int]:
+    """(batch or page, position or slot, head, d) strides of a contiguous cache array."""
+    s0, s1, s2, s3 = _strides(shape)
+    return (s0, s2, s1, s3) if layout == "BHSD" else (s0, s1, s2, s3)
+
+
+def cache_dims(k_shape, layout: str, block_table_shape=None) -> tuple[int, int, int]:
+    """(Hkv, capacity S, page size or 0) of a cache of shape `k_shape` in `layout`."""
+    if layout == "paged":
+        return k_shape[2], block_table_shape[1] * k_shape[1], k_shape[1]
+    if layout == "BHSD":
+        return k_shape[1], k_shape[2], 0
+    return k_shape[2], k_shape[1], 0
+
+
+# --- entry kernels: every scalar is a constexpr, outputs follow inputs (jax-triton's convention) ---
+
+
+@triton.jit
+def _split_entry(
+    Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
+    sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqd: tl.constexpr,
+    skb: tl.constexpr, sks: tl.constexpr, skh: tl.constexpr, skd: tl.constexpr,
+    svb: tl.constexpr, svs: tl.constexpr, svh: tl.constexpr, svd: tl.constexpr,
+    stb: tl.constexpr,
+    sob: tl.constexpr, sot: tl.constexpr, soh: tl.constexpr, sosplit: tl.constexpr, sod: tl.constexpr,
+    slb: tl.constexpr, slt: tl.constexpr, slh: tl.constexpr, slsplit: tl.constexpr,
+    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
+    pos_shift: tl.constexpr,
+    T: tl.constexpr, G: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
+    capacity: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    decode_split_kernel(
+        Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
+        sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, stb,
+        sob, sot, soh, sosplit, sod, slb, slt, slh, slsplit,
+        scale, softcap, window_left, window_right, pos_shift, T, G, Hkv, D, Dv, capacity,
+        CAUSAL, HAS_STARTS, PAGED, PAGE_SIZE, HAS_SINKS, SOFTCAP, FAST_TANH, NUM_SPLITS,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+    )
+
+
+@triton.jit
+def _merge_entry(
+    OutPart, LsePart, Sinks, Out, Lse,
+    spb: tl.constexpr, spt: tl.constexpr, sph: tl.constexpr, spsplit: tl.constexpr, spd: tl.constexpr,
+    sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqsplit: tl.constexpr,
+    sob: tl.constexpr, sot: tl.constexpr, soh: tl.constexpr, sod: tl.constexpr,
+    slb: tl.constexpr, slt: tl.constexpr, slh: tl.constexpr,
+    T: tl.constexpr, Hq: tl.constexpr, Dv: tl.constexpr,
+    HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    decode_merge_kernel(
+        OutPart, LsePart, Sinks, Out, Lse, spb, spt, sph, spsplit, spd, sqb, sqt, sqh, sqsplit,
+        sob, sot, soh, sod, slb, slt, slh, T, Hq, Dv, HAS_SINKS, NUM_SPLITS, BLOCK_SPLITS, BLOCK_DV,
+    )
+
+
+def _placeholder(dtype) -> jax.Array:
+    return jnp.zeros((1,), dtype)
+
+
+def decode_attention_triton(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    starts: Optional[jax.Array],
+    block_table: Optional[jax.Array],
+    sinks: Optional[jax.Array],
+    cfg: DecodeConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """Decode attention by the Triton kernels; returns (out, lse).
+
+    Args:
+        q: (B, T, Hq, D) ("BTHD") or (B, Hq, T, D) ("BHTD"), per `cfg.q_layout`.
+        k: (B, S, Hkv, D) "BSHD", (B, Hkv, S, D) "BHSD", or pages (P, PS, Hkv, D), per
+            `cfg.cache_layout`; read in place, only the visible positions.
+        v: the same with Dv.
+        lengths: (B,) int32, valid positions end (exclusive), at most S.
+        starts: (B,) int32 first valid positions, or None (0).
+        block_table: (B, max_pages) int32 page of each sequence's page slot ("paged" only).
+        sinks: (Hq,) float32 sink logits, or None.
+        cfg: static settings.
+
+    Returns:
+        out in q's layout and dtype; lse (B, Hq, T) float32 (-inf for queries that see nothing,
+        unless a sink is given).
+    """
+    import jax_triton as jt
+
+    if cfg.cache_layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache_layout={cfg.cache_layout!r}: expected one of {CACHE_LAYOUTS}.")
+    paged = cfg.cache_layout == "paged"
+    b, t, hq, d = q.shape if cfg.q_layout == "BTHD" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    dv = v.shape[-1]
+    hkv, capacity, page_size = cache_dims(k.shape, cfg.cache_layout, None if block_table is None else block_table.shape)
+    groups = hq // hkv
+    block_n, num_warps, num_stages = cfg.tiles or decode_tiles(d, dv, jnp.dtype(q.dtype).itemsize)
+    block_m = row_block(groups * t, d)
+    row_blocks = triton.cdiv(groups * t, block_m)
+    num_splits = cfg.num_splits or num_splits_for(
+        b * hkv * row_blocks, triton.cdiv(capacity, block_n), cfg.num_sms or _device_sms())
+    block_d, block_dv = max(16, _next_pow2(d)), max(16, _next_pow2(dv))
+    final = num_splits == 1
+    out_shape = (b, t, hq, dv) if cfg.q_layout == "BTHD" else (b, hq, t, dv)
+    if final:
+        sb, st, sh, sd = _q_strides(out_shape, cfg.q_layout)
+        o_strides = (sb, st, sh, 0, sd)
+        l_strides = (hq * t, 1, t, 0)  # lse (B, Hq, T)
+        outs = (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
+    else:
+        o_strides = tuple(_strides((b, t, hq, num_splits, dv)))
+        l_strides = tuple(_strides((b, t, hq, num_splits)))
+        outs = (jax.ShapeDtypeStruct((b, t, hq, num_splits, dv), jnp.float32),
+                jax.ShapeDtypeStruct((b, t, hq, num_splits), jnp.float32))
+    sk = _cache_strides(k.shape, "BSHD" if paged else cfg.cache_layout)
+    sv = _cache_strides(v.shape, "BSHD" if paged else cfg.cache_layout)
+    window = tuple(cfg.window)
+    out, lse = jt.triton_call(
+        q, k, v, lengths.astype(jnp.int32),
+        starts.astype(jnp.int32) if starts is not None else _placeholder(jnp.int32),
+        block_table.astype(jnp.int32) if paged else _placeholder(jnp.int32),
+        sinks.astype(jnp.float32) if sinks is not None else _placeholder(jnp.float32),
+        kernel=_split_entry, out_shape=outs, grid=(num_splits, row_blocks, b * hkv),
+        num_warps=num_warps, num_stages=num_stages,
+        **dict(zip(("sqb", "sqt", "sqh", "sqd"), _q_strides(q.shape, cfg.q_layout))),
+        **dict(zip(("skb", "sks", "skh", "skd"), sk)),
+        **dict(zip(("svb", "svs", "svh", "svd"), sv)),
+        stb=block_table.shape[1] if paged else 0,
+        **dict(zip(("sob", "sot", "soh", "sosplit", "sod"), o_strides)),
+        **dict(zip(("slb", "slt", "slh", "slsplit"), l_strides)),
+        scale=float(cfg.scale), softcap=float(cfg.softcap or 1.0), window_left=int(window[0]),
+        window_right=int(window[1]), pos_shift=int(cfg.pos_shift), T=t, G=groups, Hkv=hkv, D=d, Dv=dv,
+        capacity=capacity, CAUSAL=bool(cfg.causal), HAS_STARTS=starts is not None, PAGED=paged,
+        PAGE_SIZE=max(page_size, 1), HAS_SINKS=sinks is not None, SOFTCAP=cfg.softcap is not None,
+        FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+    )
+    if final:
+        return out, lse
+    return jt.triton_call(
+        out, lse, sinks.astype(jnp.float32) if sinks is not None else _placeholder(jnp.float32),
+        kernel=_merge_entry,
+        out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
+        grid=(b * t * hq,), num_warps=1, num_stages=1,
+        **dict(zip(("spb", "spt", "sph", "spsplit", "spd"), _strides((b, t, hq, num_splits, dv)))),
+        **dict(zip(("sqb", "sqt", "sqh", "sqsplit"), _strides((b, t, hq, num_splits)))),
+        **dict(zip(("sob", "sot", "soh", "sod"), _q_strides(out_shape, cfg.q_layout))),
+        slb=hq * t, slt=1, slh=t,
+        T=t, Hq=hq, Dv=dv, HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
+        BLOCK_SPLITS=max(2, _next_pow2(num_splits)), BLOCK_DV=block_dv,
+    )

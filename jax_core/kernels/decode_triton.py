@@ -1,0 +1,222 @@
+"""Decode attention (flash-decoding) kernels in Triton: a few queries per sequence against a KV cache.
+
+The kernels import only `triton` / `triton.language` (and the soft-cap tanh of
+`flash_common_triton`, which does the same), so jax-triton can launch them on a GPU and tests can
+run them under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors.
+
+Shape legend:
+    B: batch (sequences)   T: queries per sequence (1, or a few for speculative decoding)
+    Hq: query heads   Hkv: key/value heads (G = Hq // Hkv query heads share one KV head)
+    S: cache capacity in positions (contiguous: S_max; paged: max_pages * PAGE_SIZE)
+    D: query/key head dim   Dv: value head dim (both <= 256; padded to BLOCK_D / BLOCK_DV)
+
+Tensors (each a pointer plus element strides, so any layout works):
+    Q (B, T, Hq, D).
+    K, V: contiguous caches, element (b, j, h, d) at b * stride_kb + j * stride_ks + h * stride_kh
+        + d * stride_kd (both (B, S, Hkv, D) and (B, Hkv, S, D) layouts); or pages (PAGED), element
+        (page, slot, h, d) at page * stride_kb + slot * stride_ks + ..., position j of sequence b
+        living in page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE.
+    Lengths (B,) int32: valid positions end (exclusive). Starts (B,) int32: first valid position.
+    BlockTable (B, max_pages) int32 (PAGED only). Sinks (Hq,) float32 sink logits (HAS_SINKS).
+
+Visibility of position j to query t of sequence b (pos = length - T + t + pos_shift is the query's
+position; pos_shift = 0 puts the T queries at the end of the sequence):
+    start <= j < length, and  j <= pos (CAUSAL),  j >= pos - window_left (if >= 0),
+    j <= pos + window_right (if >= 0).
+Only the positions that some query of the sequence can see are loaded: the rest of the cache is
+never read. A query that sees nothing yields out = 0, lse = -inf (or the sink when HAS_SINKS).
+
+Split-K (flash-decoding): `decode_split_kernel` runs grid (NUM_SPLITS, row blocks, B * Hkv). Each
+program takes all the G * T query rows of one KV head (rows r = g * T + t, query head
+kvh * G + g) in BLOCK_M tiles, so every K/V tile is loaded once for the whole group (GQA without
+repeating K/V), and one of NUM_SPLITS equal shares of the key blocks the sequence can see. With
+NUM_SPLITS == 1 it writes the final output (in Out's dtype) and LSE; otherwise an fp32 partial
+output, normalised by its own softmax denominator, and its LSE, which `decode_merge_kernel`
+(grid (B * T * Hq,)) combines by log-sum-exp weights, adding the sink.
+"""
+
+import triton
+import triton.language as tl
+
+from .flash_common_triton import tanh_f32
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def decode_split_kernel(
+    Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tb,
+    stride_ob, stride_ot, stride_oh, stride_osplit, stride_od,
+    stride_lb, stride_lt, stride_lh, stride_lsplit,
+    scale, softcap, window_left, window_right, pos_shift,
+    T, G, Hkv, D, Dv, capacity,
+    CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One share of one sequence's keys for BLOCK_M query rows of one KV head (module docstring).
+
+    Out/Lse: with NUM_SPLITS == 1 the final (B, T, Hq, Dv) output and (B, T, Hq) LSE (any strides;
+    stride_osplit / stride_lsplit unused); otherwise fp32 partials (B, T, Hq, NUM_SPLITS, Dv) and
+    (B, T, Hq, NUM_SPLITS).
+    """
+    pid_split = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_bk = tl.program_id(2)
+    b = pid_bk // Hkv
+    kvh = pid_bk % Hkv
+    b64 = b.to(tl.int64)
+
+    length = tl.minimum(tl.load(Lengths + b), capacity)
+    start = 0
+    if HAS_STARTS:
+        start = tl.maximum(tl.load(Starts + b), 0)
+    # Windows are clamped to capacity + T (equivalent to unbounded) to keep int32 math in range.
+    wl = tl.minimum(window_left, capacity + T)
+    wr = tl.minimum(window_right, capacity + T)
+
+    # The range of positions any query of this sequence sees: [seq_lo, seq_hi).
+    pos_first = length - T + pos_shift
+    pos_last = length - 1 + pos_shift
+    seq_lo = tl.maximum(tl.where(window_left >= 0, tl.maximum(start, pos_first - wl), start), 0)
+    seq_hi = length
+    if CAUSAL:
+        seq_hi = tl.minimum(seq_hi, pos_last + 1)
+    seq_hi = tl.where(window_right >= 0, tl.minimum(seq_hi, pos_last + wr + 1), seq_hi)
+
+    # This program's share of the key blocks that intersect [seq_lo, seq_hi).
+    blk0 = seq_lo // BLOCK_N
+    n_blk = tl.where(seq_hi > seq_lo, (seq_hi + BLOCK_N - 1) // BLOCK_N - blk0, 0)
+    per_split = (n_blk + NUM_SPLITS - 1) // NUM_SPLITS
+    blk_lo = blk0 + pid_split * per_split
+    blk_hi = tl.minimum(blk_lo + per_split, blk0 + n_blk)
+
+    # Query rows r = g * T + t: head kvh * G + g, query t at position pos.
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = offs_m // T
+    t = offs_m % T
+    row_valid = offs_m < G * T
+    head = (kvh * G + g).to(tl.int64)
+    pos = length - T + t + pos_shift
+    row_lo = tl.where(window_left >= 0, tl.maximum(start, pos - wl), start)
+    row_hi = tl.zeros([BLOCK_M], dtype=tl.int32) + length
+    if CAUSAL:
+        row_hi = tl.minimum(row_hi, pos + 1)
+    row_hi = tl.where(window_right >= 0, tl.minimum(row_hi, pos + wr + 1), row_hi)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < D
+    dv_mask = offs_dv < Dv
+
+    q_ptrs = Q + b64 * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    k_head = K + kvh.to(tl.int64) * stride_kh
+    v_head = V + kvh.to(tl.int64) * stride_vh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:  # the sink starts the recurrence (merged later when split)
+        m_i = tl.load(Sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32) * LOG2E
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    for blk in range(blk_lo, blk_hi):
+        cols = blk * BLOCK_N + offs_n
+        col_ok = (cols >= seq_lo) & (cols < seq_hi)
+        if PAGED:
+            page = tl.load(BlockTable + b64 * stride_tb + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+            slot = (cols % PAGE_SIZE).to(tl.int64)
+            k_rows = page * stride_kb + slot * stride_ks
+            v_rows = page * stride_vb + slot * stride_vs
+        else:
+            k_rows = b64 * stride_kb + cols.to(tl.int64) * stride_ks
+            v_rows = b64 * stride_vb + cols.to(tl.int64) * stride_vs
+        # K is read transposed: a (BLOCK_D, BLOCK_N) tile.
+        kt = tl.load(k_head + k_rows[None, :] + offs_d[:, None] * stride_kd,
+                     mask=d_mask[:, None] & col_ok[None, :], other=0.0)
+        if q.dtype == tl.float32:
+            qk = tl.dot(q, kt, input_precision="tf32x3")
+        else:
+            qk = tl.dot(q, kt)
+        if SOFTCAP:
+            s2 = (softcap * LOG2E) * tanh_f32(qk * (scale / softcap), FAST_TANH)
+        else:
+            s2 = qk * (scale * LOG2E)
+        visible = (col_ok[None, :] & row_valid[:, None]
+                   & (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None]))
+        s2 = tl.where(visible, s2, float("-inf"))
+        # Online softmax in the log2 domain; a row still at -inf uses 0 as its reference.
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s2 - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + v_rows[:, None] + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        if v.dtype == tl.float32:
+            acc = tl.dot(p, v, acc, input_precision="tf32x3")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    split = pid_split.to(tl.int64)
+    o_ptrs = (Out + b64 * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_osplit
+              + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None] & dv_mask[None, :])
+    tl.store(Lse + b64 * stride_lb + t * stride_lt + head * stride_lh + split * stride_lsplit, lse, mask=row_valid)
+
+
+@triton.jit
+def decode_merge_kernel(
+    OutPart, LsePart, Sinks, Out, Lse,
+    stride_pb, stride_pt, stride_ph, stride_psplit, stride_pd,
+    stride_qb, stride_qt, stride_qh, stride_qsplit,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    stride_lb, stride_lt, stride_lh,
+    T, Hq, Dv,
+    HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Combines NUM_SPLITS partial results of one (b, t, head) row; grid (B * T * Hq,).
+
+    OutPart (B, T, Hq, NUM_SPLITS, Dv) and LsePart (B, T, Hq, NUM_SPLITS) float32 from
+    `decode_split_kernel`; writes Out (B, T, Hq, Dv) in its dtype and Lse (B, T, Hq) float32.
+    out = sum_s exp(lse_s - lse) * out_s with lse = log(sum_s exp(lse_s) [+ exp(sink)]).
+    """
+    pid = tl.program_id(0)
+    b = (pid // (T * Hq)).to(tl.int64)
+    t = (pid // Hq) % T
+    h = pid % Hq
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_mask = offs_s < NUM_SPLITS
+    lse_s = tl.load(LsePart + b * stride_qb + t * stride_qt + h * stride_qh + offs_s * stride_qsplit,
+                    mask=s_mask, other=float("-inf"))
+    sink = float("-inf")
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h).to(tl.float32)
+    m = tl.maximum(tl.max(lse_s, 0), sink)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_ref)
+    denom = tl.sum(w, 0) + tl.exp(sink - m_ref)
+    parts = tl.load(OutPart + b * stride_pb + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_psplit
+                    + offs_dv[None, :] * stride_pd, mask=s_mask[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+    empty = denom == 0.0
+    d_safe = tl.where(empty, 1.0, denom)
+    out = tl.sum(parts * w[:, None], 0) / d_safe
+    lse = tl.where(empty, float("-inf"), m_ref + tl.log(d_safe))
+    tl.store(Out + b * stride_ob + t * stride_ot + h * stride_oh + offs_dv * stride_od,
+             out.to(Out.dtype.element_ty), mask=offs_dv < Dv)
+    tl.store(Lse + b * stride_lb + t * stride_lt + h * stride_lh, lse)
