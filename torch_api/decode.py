@@ -1,0 +1,220 @@
+"""`decode_attention`: the generation step for torch tensors, against a KV cache in torch memory.
+
+Shape legend: B batch, Hq / Hkv query / KV heads (Hq % Hkv == 0), T new queries per sequence
+(1..16), S_max cache capacity, D q/k head dim, Dv value head dim, P pages, PS page size.
+
+Cache layouts (the cache tensors are read in place, zero-copy, when contiguous):
+    cache_layout="BSHD" (default, flash-attn's kvcache layout): k_cache (B, S_max, Hkv, D),
+        v_cache (B, S_max, Hkv, Dv).
+    cache_layout="BHSD" (torch SDPA / Hugging Face layout): k_cache (B, Hkv, S_max, D), ...
+    paged (with block_table, vLLM's layout): k_cache (P, PS, Hkv, D), v_cache (P, PS, Hkv, Dv),
+        block_table (B, max_pages) int32; position j of sequence b lives in page
+        block_table[b, j // PS], slot j % PS.
+
+Which positions a query sees (B=1, T=2, cache_starts=1, cache_seqlens=5, window=None):
+
+    position:   0 1 2 3 4        the T queries are the LAST T positions (3 and 4),
+    q0 (pos 3)  . x x x .        causal among themselves (bottom-right aligned);
+    q1 (pos 4)  . x x x x        positions before cache_starts / from cache_seqlens on are unused.
+
+With window=w a query at position p sees positions >= p - w only (w + 1 positions at most). A
+sequence with cache_seqlens == 0 (or cache_starts >= cache_seqlens) outputs zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+
+from ..bridge import jax_op
+from ..jax_core import AttentionMetadata
+from ..jax_core import decode_attention as _jax_decode_attention
+from ..jax_core.base import DECODE_MAX_QUERY_LEN
+from .validation import AttentionInputError, check_finite
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _decode_body(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
+                 kernel, platform, return_lse):
+    out = _jax_decode_attention(
+        q, k_cache, v_cache, lengths, starts=starts, block_table=block_table, sliding_window=window,
+        logits_soft_cap=softcap, softmax_aux=sinks, cache_layout=cache_layout, query_layout="BHTD", kernel=kernel,
+        return_lse=return_lse, metadata=AttentionMetadata(softmax_scale=scale, platform=platform),
+    )
+    return (out.attention_outputs, out.lse) if return_lse else out.attention_outputs
+
+
+@jax_op(name="jaxattn.decode")
+def _decode_jax(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
+                kernel, platform):
+    return _decode_body(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
+                        scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=False)
+
+
+@jax_op(name="jaxattn.decode_lse", num_outputs=2)
+def _decode_lse_jax(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
+                    kernel, platform):
+    return _decode_body(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
+                        scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=True)
+
+
+def _describe(t) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+
+
+def _check_tensors(q, k_cache, v_cache, cache_layout: str, paged: bool) -> tuple[int, int, int, int]:
+    """(B, Hq, T, Hkv) after checking types, ranks, dtypes, devices and sizes."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}.")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise AttentionInputError(f"{name}: dtype {t.dtype} is not a float dtype (float16, bfloat16, float32, float64).")
+        if t.dim() != 4 or t.numel() == 0:
+            want = "(B, Hq, T, D)" if name == "q" else _cache_shape(name, cache_layout, paged)
+            raise AttentionInputError(f"{name}: expected a non-empty 4-D tensor {want}, got {_describe(t)}.")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise AttentionInputError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+                                  f"{v_cache.dtype} (cast q with q.to(k_cache.dtype)).")
+    if not (q.device == k_cache.device == v_cache.device):
+        raise AttentionInputError(f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, "
+                                  f"{v_cache.device}.")
+    b, hq, t, d = q.shape
+    if t > DECODE_MAX_QUERY_LEN:
+        raise AttentionInputError(f"q: {t} queries per sequence (shape {tuple(q.shape)}); decode takes at most "
+                                  f"{DECODE_MAX_QUERY_LEN} (for a prefill use flash_attention(..., causal=True, "
+                                  "causal_alignment='bottom_right')).")
+    head_axis = 1 if cache_layout == "BHSD" else 2
+    hkv = k_cache.shape[head_axis]
+    shapes = f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise AttentionInputError(f"k_cache and v_cache must agree on all but the last dim ({shapes}); expected "
+                                  f"{_cache_shape('k_cache', cache_layout, paged)} and the same with Dv.")
+    if k_cache.shape[3] != d:
+        raise AttentionInputError(f"k_cache: head dim {k_cache.shape[3]} != q head dim {d} (q {tuple(q.shape)}, {shapes}).")
+    if hq % hkv:
+        raise AttentionInputError(f"q: {hq} heads is not a multiple of the cache's {hkv} KV heads (q {tuple(q.shape)}, "
+                                  f"{shapes} read as {_cache_shape('k_cache', cache_layout, paged)}).")
+    if not paged and k_cache.shape[0] != b:
+        raise AttentionInputError(f"k_cache: batch {k_cache.shape[0]} != q batch {b} ({shapes} read as "
+                                  f"{_cache_shape('k_cache', cache_layout, paged)}).")
+    return b, hq, t, hkv
+
+
+def _cache_shape(name: str, cache_layout: str, paged: bool) -> str:
+    d = "D" if name != "v_cache" else "Dv"
+    if paged:
+        return f"(num_pages, page_size, Hkv, {d})"
+    return f"(B, S_max, Hkv, {d})" if cache_layout == "BSHD" else f"(B, Hkv, S_max, {d})"
+
+
+def _index_tensor(name: str, t, shape: tuple, what: str, device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES or tuple(t.shape) != shape:
+        raise AttentionInputError(f"{name}: expected an int32 tensor of shape {what} = {shape}, got {_describe(t)}.")
+    if t.device != device:
+        raise AttentionInputError(f"{name}: on {t.device} but q is on {device} (move it with .to(q.device)).")
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def _check_values(lengths, starts, capacity: int) -> None:
+    """Range checks of the lengths on CPU tensors (on CUDA they would cost a host sync)."""
+    if lengths.device.type != "cpu":
+        return
+    if bool(((lengths < 0) | (lengths > capacity)).any()):
+        raise AttentionInputError(f"cache_seqlens: values {lengths.tolist()} must lie in [0, {capacity}] (the cache "
+                                  "capacity in positions).")
+    if starts is not None and bool((starts < 0).any()):
+        raise AttentionInputError(f"cache_starts: values {starts.tolist()} must be >= 0.")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    cache_starts: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    cache_layout: Literal["BSHD", "BHSD"] = "BSHD",
+    return_lse: bool = False,
+    kernel: Optional[Literal["triton", "pallas", "xla"]] = None,
+):
+    """Attention of T new queries per sequence against a ragged KV cache (module docstring).
+
+    Args:
+        q: (B, Hq, T, D) with T <= 16, in the caches' dtype and on their device.
+        k_cache: (B, S_max, Hkv, D) (cache_layout="BSHD"), (B, Hkv, S_max, D) ("BHSD"), or pages
+            (P, PS, Hkv, D) with `block_table`. Read in place (contiguous tensors are not copied).
+        v_cache: the same layout with head dim Dv.
+        cache_seqlens: (B,) int32 (or int64) number of valid positions per sequence (exclusive end),
+            at most the capacity (S_max, or max_pages * PS).
+        cache_starts: (B,) int32 first valid position per sequence (e.g. left padding), or None (0).
+        block_table: (B, max_pages) int32 page indices: a paged cache.
+        window: w >= 0: each query sees positions >= its own - w; None: unbounded.
+        softcap: c > 0: logits -> c * tanh(logits / c).
+        sinks: (Hq,) or (Hq, n) float attention-sink logits (gpt-oss style).
+        scale: softmax scale, default 1/sqrt(D).
+        cache_layout: "BSHD" or "BHSD" for a contiguous cache (paged caches have one layout).
+        return_lse: also return the (B, Hq, T) float32 log-sum-exp of each query's logits.
+        kernel: "triton" (CUDA), "pallas" (TPU), "xla" (anywhere), or None for the device's.
+
+    Returns:
+        (B, Hq, T, Dv) tensor in q's dtype; (out, lse) with `return_lse`.
+
+    Differentiable (gradients follow the XLA formulation, not the kernels: meant for inference).
+
+    Raises:
+        AttentionInputError (a ValueError and RuntimeError): malformed arguments.
+        TypeError: arguments of the wrong type.
+        ValueError: the kernel cannot run here (with reasons).
+    """
+    paged = block_table is not None
+    if cache_layout not in ("BSHD", "BHSD"):
+        raise AttentionInputError(f"cache_layout={cache_layout!r}: expected 'BSHD' or 'BHSD' (paged caches need "
+                                  "no layout: pass block_table).")
+    if paged and cache_layout != "BSHD":
+        raise AttentionInputError(f"cache_layout={cache_layout!r} with block_table: paged caches are "
+                                  "(num_pages, page_size, Hkv, D); drop cache_layout.")
+    b, hq, _, _ = _check_tensors(q, k_cache, v_cache, cache_layout, paged)
+    lengths = _index_tensor("cache_seqlens", cache_seqlens, (b,), "(B,)", q.device)
+    starts = None if cache_starts is None else _index_tensor("cache_starts", cache_starts, (b,), "(B,)", q.device)
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
+            raise AttentionInputError(f"block_table: expected an int32 tensor of shape (B, max_pages) with B={b}, "
+                                      f"got {_describe(block_table)}.")
+        block_table = _index_tensor("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", q.device)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[2 if cache_layout == "BHSD" else 1]
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise AttentionInputError(f"window={window!r}: expected None or an int >= 0 (positions visible before each "
+                                  "query's own).")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise AttentionInputError(f"softcap={softcap!r}: expected None or a positive float.")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise AttentionInputError(f"scale={scale!r}: expected None or a finite float.")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() not in (1, 2) or sinks.shape[0] != hq:
+            raise AttentionInputError(f"sinks: expected a (Hq,) or (Hq, n) float tensor with Hq={hq}, got {_describe(sinks)}.")
+        if not sinks.dtype.is_floating_point or sinks.device != q.device:
+            raise AttentionInputError(f"sinks: expected a float tensor on {q.device}, got {_describe(sinks)}.")
+    if kernel not in (None, "triton", "pallas", "xla"):
+        raise AttentionInputError(f"kernel={kernel!r}: expected None, 'triton', 'pallas' or 'xla'.")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse={return_lse!r}: expected a bool.")
+    _check_values(lengths, starts, capacity)
+    check_finite({"q": q})
+    op = _decode_lse_jax if return_lse else _decode_jax
+    return op(
+        q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window,
+        softcap=None if softcap is None else float(softcap), scale=None if scale is None else float(scale),
+        cache_layout="paged" if paged else cache_layout, kernel=kernel,
+        platform="cpu" if q.device.type == "cpu" else "gpu",
+    )
