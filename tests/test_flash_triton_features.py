@@ -22,7 +22,6 @@ import jax_triton_interpret  # noqa: E402
 from attention_reference import reference  # noqa: E402
 
 from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
-from jaxattn.jax_core.kernels.flash_common_triton import dropout_mask_kernel  # noqa: E402
 
 
 ON_GPU = (torch.cuda.is_available() and jax.default_backend() == "gpu"
@@ -212,11 +211,7 @@ def test_varlen_forward_and_gradients(case, layout):
 # --------------------------------------------------------------------------------------------- dropout
 
 def _keep_mask(seed, bh, l, s, p):
-    device = "cuda" if ON_GPU else "cpu"
-    keep = torch.full((bh, l, s), -1, dtype=torch.int8, device=device)
-    dropout_mask_kernel[(triton.cdiv(l, 16), bh)](torch.tensor(seed, dtype=torch.int32, device=device), keep, bh, l,
-                                                  s, p, BLOCK_M=16, BLOCK_N=32)
-    return keep.cpu().bool()
+    return torch.from_numpy(np.asarray(fj.dropout_keep_mask(jnp.asarray(seed, jnp.int32), bh, l, s, p)))
 
 
 def test_dropout_mask_is_bernoulli_and_seeded():
@@ -286,10 +281,26 @@ def test_flash_gpu_path_through_attention_matches_vanilla_reference():
     ]
     for kw in cases:
         got = attention(q, k, v, implementation="flash", metadata=md, **kw)
-        want = attention(q, k, v, implementation="vanilla", **kw)
+        with jax.default_matmul_precision("highest"):  # no TF32 in the reference on a GPU
+            want = attention(q, k, v, implementation="vanilla", **kw)
         np.testing.assert_allclose(got.attention_outputs, want.attention_outputs, atol=2e-5, rtol=2e-5)
-    drop = md.replace(dropout_prob=0.3)
+    drop = md.replace(dropout_prob=0.3)  # same rng -> same mask; another rng -> another
     a, b = (attention(q, k, v, implementation="flash", metadata=drop, dropout_rng=ks[3]).attention_outputs for _ in "ab")
     c = attention(q, k, v, implementation="flash", metadata=drop, dropout_rng=jax.random.fold_in(ks[3], 1))
     np.testing.assert_array_equal(a, b)
     assert float(jnp.abs(a - c.attention_outputs).max()) > 0.1
+
+
+def test_cuda_selection_prefers_flash_except_long_sequences_with_small_heads():
+    from jaxattn.jax_core import AttentionInputs
+    from jaxattn.jax_core.registry import AttentionRegistry, platform_order
+
+    def inputs(l, d, features=(), backend="cuda"):
+        return AttentionInputs(2, l, l, 8, 8, d, d, "bfloat16", "gpu", backend, frozenset(features))
+
+    assert platform_order(inputs(8192, 128))[:2] == ("sdpa", "flash")
+    assert platform_order(inputs(1024, 128))[:2] == ("flash", "sdpa")
+    assert platform_order(inputs(8192, 256))[:2] == ("flash", "sdpa")
+    assert platform_order(inputs(1024, 64, backend="rocm"))[:2] == ("sdpa", "flash")
+    # a flash-only feature goes to flash even where cuDNN would be first
+    assert AttentionRegistry.select(inputs(8192, 128, {"softcap"})).canonical_name() == "flash"

@@ -37,7 +37,6 @@ from ..jax_core import AttentionMetadata, attention
 from .selection import normalize_choice
 from .validation import AttentionInputError, check_finite, check_qkv
 
-_DEFAULT_ORDER = ("flash", "sdpa", "vanilla")
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -243,8 +242,10 @@ def flash_attention(
         scale: softmax scale, default 1/sqrt(E).
         return_lse: also return the float32 log-sum-exp (sinks included; -inf for rows that see no
             key): (B, Hq, L), or (Hq, total_q) with cu_seqlens (flash-attn's varlen convention).
-        implementation: None tries "flash", then "sdpa", then "vanilla" (the first that supports the
-            call; on CPU that is the reference); a name forces one.
+        implementation: None selects automatically (`jax_core.registry.platform_order`): on CUDA
+            cuDNN for long sequences with head dims <= 128 when it supports the call, else our flash
+            kernels; on CPU "sdpa", then the "vanilla" reference. A name forces one; a tuple of names
+            tries them in order.
 
     Returns:
         (B, Hq, L, Ev) output, or (total_q, Hq, Ev) with cu_seqlens; (output, lse) with `return_lse`.
@@ -278,7 +279,7 @@ def flash_attention(
     if varlen and (max_seqlen_q is not None or max_seqlen_k is not None):
         max_seqlen = (_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0]),
                       _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0]))
-    choice = normalize_choice(implementation) if implementation is not None else _DEFAULT_ORDER
+    choice = normalize_choice(implementation) if implementation is not None else None
     check_finite({"q": q, "k": k, "v": v})
     seed = None
     if dropout_p > 0:

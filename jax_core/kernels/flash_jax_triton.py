@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .flash_bwd_triton import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
+from .flash_common_triton import dropout_mask_kernel
 from .flash_fwd_triton import flash_fwd_kernel, fwd_block_sizes, head_block
 
 
@@ -188,6 +189,34 @@ def _dq_entry(
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
     )
+
+
+@triton.jit
+def _dropout_mask_entry(Seed, Keep, BH: tl.constexpr, L: tl.constexpr, S: tl.constexpr, dropout_p: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    dropout_mask_kernel(Seed, Keep, BH, L, S, dropout_p, BLOCK_M, BLOCK_N)
+
+
+def dropout_keep_mask(seed: jax.Array, bh: int, l: int, s: int, dropout_p: float) -> jax.Array:
+    """The dropout keep mask the flash kernels apply, materialised (for tests and debugging).
+
+    Args:
+        seed: (2,) int32, as in `FlashExtras.seed`.
+        bh: B * Hq (1 * Hq for varlen, whose rows and keys are the packed positions).
+        l, s: query and key lengths in memory.
+        dropout_p: drop probability.
+
+    Returns:
+        (bh, l, s) bool, True where a probability is kept (and scaled by 1 / (1 - dropout_p)).
+    """
+    import jax_triton as jt
+
+    keep = jt.triton_call(
+        seed.astype(jnp.int32), kernel=_dropout_mask_entry,
+        out_shape=jax.ShapeDtypeStruct((bh, l, s), jnp.int8), grid=(triton.cdiv(l, 32), bh),
+        BH=bh, L=l, S=s, dropout_p=float(dropout_p), BLOCK_M=32, BLOCK_N=64,
+    )
+    return keep != 0
 
 
 def _placeholder(dtype=jnp.float32) -> jax.Array:
