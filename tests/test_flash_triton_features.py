@@ -86,6 +86,8 @@ SEGMENT_PATTERNS = {
                                     [1] * 60 + [2] * 50 + [3] * (s - 130) + [0] * 20)),
     # interleaved ids: spans cover everything, only the equality check separates them
     "interleaved": (lambda l, s: ([i % 3 for i in range(l)], [(i // 7) % 3 for i in range(s)])),
+    # one id per 64-row query block, contiguous key runs: the kernels' span-as-window path
+    "block-runs": (lambda l, s: ([1] * 64 + [2] * 64 + [3] * (l - 128), [1] * 50 + [2] * 90 + [3] * (s - 140))),
     # a query id absent from the keys: those rows see nothing
     "absent": (lambda l, s: ([5] * 30 + [1] * (l - 30), [1] * s)),
 }
@@ -98,7 +100,7 @@ def test_segment_ids_forward_and_gradients(pattern, causal):
     B, Hq, Hk, L, S, D = 2, 4, 2, 150, 170, 32
     q, k, v, cot = _rand(gen, B, Hq, L, D), _rand(gen, B, Hk, S, D), _rand(gen, B, Hk, S, D), _rand(gen, B, Hq, L, D)
     q_ids, kv_ids = (torch.tensor(x) for x in SEGMENT_PATTERNS[pattern](L, S))
-    q_ids = torch.stack([q_ids, q_ids.roll(9)])  # batch rows differ
+    q_ids = torch.stack([q_ids, q_ids.roll(9 if pattern != "block-runs" else 0)])  # batch rows differ
     kv_ids = torch.stack([kv_ids, kv_ids.roll(4)])
     extras = fj.FlashExtras(segment_ids=(jnp.asarray(q_ids.numpy()), jnp.asarray(kv_ids.numpy())))
     cfg = fj.FlashConfig(scale=D ** -0.5, causal=causal, diag_offset=S - L, layout="BHTD")
@@ -116,8 +118,16 @@ def test_segment_tables_spans():
     kv_ids = jnp.array([[1, 3, 1, 3, 0, 0]])
     seg_q, seg_k = fj.segment_tables(q_ids, kv_ids)
     # key spans of ids 3, 3, 1, 1 and (absent) 7
-    np.testing.assert_array_equal(seg_q[0], [[3, 3, 1, 1, 7], [1, 1, 0, 0, 0], [4, 4, 3, 3, 0]])
-    np.testing.assert_array_equal(seg_k[0], [[1, 3, 1, 3, 0, 0], [2, 0, 2, 0, 0, 0], [4, 2, 4, 2, 0, 0]])
+    # key spans of ids 3, 3, 1, 1 (not contiguous runs) and 7 (>= S: the whole span)
+    np.testing.assert_array_equal(seg_q[0], [[3, 3, 1, 1, 7], [1, 1, 0, 0, 0], [4, 4, 3, 3, 6], [0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(seg_k[0], [[1, 3, 1, 3, 0, 0], [2, 0, 2, 0, 0, 0], [4, 2, 4, 2, 0, 0],
+                                             [1, 1, 1, 1, 1, 1]])
+    # out-of-range ids (negative, >= S) get the whole span, marked not contiguous
+    seg_q, _ = fj.segment_tables(jnp.array([[-1, 9, 2]]), jnp.array([[2, 2, -1]]))
+    np.testing.assert_array_equal(seg_q[0, 1:], [[0, 0, 0], [3, 3, 2], [0, 0, 1]])
+    # an in-range id absent from the keys: an empty span, trivially contiguous
+    seg_q, _ = fj.segment_tables(jnp.array([[1, 0]]), jnp.array([[0, 0, 0]]))
+    np.testing.assert_array_equal(seg_q[0, 1:], [[0, 0], [0, 3], [1, 1]])
 
 
 # --------------------------------------------------------------------------------------------- varlen

@@ -231,8 +231,9 @@ def flash_bwd_dkdv_kernel(
         window_left, window_right: window sides, -1 = unbounded. diag_offset: 0 (top-left) or
             S - L (bottom-right).
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP: feature switches.
-        SegQ, SegK: int32 (B, 3, L) / (B, 3, S) segment tables, read iff HAS_SEGMENTS: row 0 the
-            ids, rows 1-2 for each query (key) the span [lo, hi) of keys (queries) with its id.
+        SegQ, SegK: int32 (B, 4, L) / (B, 4, S) segment tables, read iff HAS_SEGMENTS: row 0 the
+            ids, rows 1-2 for each query (key) the span [lo, hi) of keys (queries) with its id, row 3
+            whether those fill the span.
         CuQ, CuK: int32 (N + 1,) cumulative sequence lengths, read iff VARLEN (packed sequences,
             memory batch 1, grid over N sequences; VARLEN_BOTTOM_RIGHT aligns each one's diagonal
             bottom-right, else top-left; diag_offset is then ignored).
@@ -287,13 +288,13 @@ def flash_bwd_dkdv_kernel(
     kseg = offs_n
     segq_b = SegQ
     if HAS_SEGMENTS:
-        segk_b = SegK + b * 3 * S
+        segk_b = SegK + b * 4 * S
         kseg = tl.load(segk_b + offs_n, mask=n_ok, other=0)
         span_lo = tl.min(tl.load(segk_b + S + offs_n, mask=n_ok, other=seq_l), 0)
         span_hi = tl.max(tl.load(segk_b + 2 * S + offs_n, mask=n_ok, other=0), 0)
         lo = tl.maximum(lo, (span_lo // BLOCK_M) * BLOCK_M)
         hi = tl.maximum(tl.minimum(hi, span_hi), lo)
-        segq_b = SegQ + b * 3 * L
+        segq_b = SegQ + b * 4 * L
     seed = 0
     if DROPOUT:
         seed = load_seed(Seed)
@@ -378,8 +379,9 @@ def flash_bwd_dq_kernel(
         window_left, window_right: window sides, -1 = unbounded. diag_offset: 0 (top-left) or
             S - L (bottom-right).
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS: feature switches.
-        SegQ, SegK: int32 (B, 3, L) / (B, 3, S) segment tables, read iff HAS_SEGMENTS: row 0 the
-            ids, rows 1-2 for each query (key) the span [lo, hi) of keys (queries) with its id.
+        SegQ, SegK: int32 (B, 4, L) / (B, 4, S) segment tables, read iff HAS_SEGMENTS: row 0 the
+            ids, rows 1-2 for each query (key) the span [lo, hi) of keys (queries) with its id, row 3
+            whether those fill the span.
         CuQ, CuK: int32 (N + 1,) cumulative sequence lengths, read iff VARLEN (packed sequences,
             memory batch 1, grid over N sequences; VARLEN_BOTTOM_RIGHT aligns each one's diagonal
             bottom-right, else top-left; diag_offset is then ignored).
@@ -441,13 +443,13 @@ def flash_bwd_dq_kernel(
     qseg = offs_m
     segk_b = SegK
     if HAS_SEGMENTS:
-        segq_b = SegQ + b * 3 * L
+        segq_b = SegQ + b * 4 * L
         qseg = tl.load(segq_b + offs_m, mask=m_ok, other=0)
         span_lo = tl.min(tl.load(segq_b + L + offs_m, mask=m_ok, other=seq_s), 0)
         span_hi = tl.max(tl.load(segq_b + 2 * L + offs_m, mask=m_ok, other=0), 0)
         lo = tl.maximum(lo, (span_lo // BLOCK_N) * BLOCK_N)
         hi = tl.maximum(tl.minimum(hi, span_hi), lo)
-        segk_b = SegK + b * 3 * S
+        segk_b = SegK + b * 4 * S
     seed = 0
     if DROPOUT:
         seed = load_seed(Seed)

@@ -174,6 +174,36 @@ def _fwd_stage(
 
 
 @triton.jit
+def _fwd_stages(
+    acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+    stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+    lo, mid_lo, mid_hi, hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SEG_CHECK: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Key blocks [lo, mid_lo) masked | [mid_lo, mid_hi) fully visible | [mid_hi, hi) masked.
+
+    SEG_CHECK compares segment ids element by element in every stage.
+    """
+    acc, l_i, m_i = _fwd_stage(
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        lo, tl.minimum(mid_lo, hi), S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+        True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+    acc, l_i, m_i = _fwd_stage(
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        tl.maximum(mid_lo, lo), tl.minimum(mid_hi, hi), S, scale, softcap, seed, drop_row0, drop_rows, k_off,
+        S_mem, dropout_p, False, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+    acc, l_i, m_i = _fwd_stage(
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        tl.maximum(mid_hi, lo), hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+        True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def flash_fwd_kernel(
     Q, K, V, Bias, Mask, Sinks, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -259,6 +289,27 @@ def flash_fwd_kernel(
         row_hi = tl.minimum(row_hi, pos + 1)
     row_hi = tl.where(window_right >= 0, tl.minimum(row_hi, pos + wr + 1), row_hi)
 
+    # Segment ids: SegQ (B, 4, L) holds each query's id, the span [k_lo, k_hi) of keys with that id
+    # and whether those keys fill the span. Keys outside the union of the block's spans are skipped;
+    # when the block has one id whose keys form a contiguous run, the span acts like a window and
+    # no id is compared element by element (SEG_CHECK below).
+    qseg = offs_m
+    kseg_ptr = SegK
+    seg_lo = 0
+    seg_hi = seq_s
+    simple = True
+    if HAS_SEGMENTS:
+        segq_b = SegQ + b64 * 4 * L
+        qseg = tl.load(segq_b + offs_m, mask=row_valid, other=0)
+        seg_lo = tl.min(tl.load(segq_b + L + offs_m, mask=row_valid, other=seq_s), 0)
+        seg_hi = tl.max(tl.load(segq_b + 2 * L + offs_m, mask=row_valid, other=0), 0)
+        runs = tl.min(tl.load(segq_b + 3 * L + offs_m, mask=row_valid, other=1), 0)
+        same = tl.min(tl.where(row_valid, qseg, 2147483647), 0) == tl.max(tl.where(row_valid, qseg, -2147483647), 0)
+        simple = same & (runs == 1)
+        kseg_ptr = SegK + b64 * 4 * S
+        row_lo = tl.maximum(row_lo, seg_lo)
+        row_hi = tl.minimum(row_hi, seg_hi)
+
     # The same bounds for the first and the last valid row of this query block (scalars).
     m_last = tl.minimum(m0 + BLOCK_M, seq_l) - 1
     p_first = m0 + diag
@@ -272,25 +323,17 @@ def flash_fwd_kernel(
         hi_last = tl.minimum(hi_last, p_last + 1)
     hi_first = tl.where(window_right >= 0, tl.minimum(hi_first, p_first + wr + 1), hi_first)
     hi_last = tl.where(window_right >= 0, tl.minimum(hi_last, p_last + wr + 1), hi_last)
+    if HAS_SEGMENTS:
+        lo_first = tl.maximum(lo_first, seg_lo)
+        lo_last = tl.maximum(lo_last, seg_lo)
+        hi_first = tl.minimum(hi_first, seg_hi)
+        hi_last = tl.minimum(hi_last, seg_hi)
 
     # Key blocks: [lo, mid_lo) masked | [mid_lo, mid_hi) fully visible | [mid_hi, hi) masked.
     lo = (lo_first // BLOCK_N) * BLOCK_N
     hi = hi_last
     mid_lo = tl.maximum(((lo_last + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
     mid_hi = tl.maximum((tl.maximum(hi_first, 0) // BLOCK_N) * BLOCK_N, mid_lo)
-
-    # Segment ids: SegQ (B, 3, L) holds each query's id and the span [k_lo, k_hi) of keys with that
-    # id; key blocks outside the union of the block's spans are skipped.
-    qseg = offs_m
-    kseg_ptr = SegK
-    if HAS_SEGMENTS:
-        segq_b = SegQ + b64 * 3 * L
-        qseg = tl.load(segq_b + offs_m, mask=row_valid, other=0)
-        span_lo = tl.min(tl.load(segq_b + L + offs_m, mask=row_valid, other=seq_s), 0)
-        span_hi = tl.max(tl.load(segq_b + 2 * L + offs_m, mask=row_valid, other=0), 0)
-        lo = tl.maximum(lo, (span_lo // BLOCK_N) * BLOCK_N)
-        hi = tl.maximum(tl.minimum(hi, span_hi), lo)
-        kseg_ptr = SegK + b64 * 3 * S
 
     seed = 0
     if DROPOUT:
@@ -305,27 +348,25 @@ def flash_fwd_kernel(
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn,
-        offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
-        lo, tl.minimum(mid_lo, hi), seq_s, scale, softcap,
-        seed, row0 - q_off, q_off + offs_m, k_off, S, dropout_p,
-        True, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
-    acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn,
-        offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
-        tl.maximum(mid_lo, lo), tl.minimum(mid_hi, hi), seq_s, scale, softcap,
-        seed, row0 - q_off, q_off + offs_m, k_off, S, dropout_p,
-        False, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
-    acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn,
-        offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
-        tl.maximum(mid_hi, lo), hi, seq_s, scale, softcap,
-        seed, row0 - q_off, q_off + offs_m, k_off, S, dropout_p,
-        True, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+    if HAS_SEGMENTS:
+        if simple:
+            acc, l_i, m_i = _fwd_stages(
+                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+                lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
+                dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+        else:
+            acc, l_i, m_i = _fwd_stages(
+                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+                lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
+                dropout_p, HAS_BIAS, HAS_MASK, True, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+    else:
+        acc, l_i, m_i = _fwd_stages(
+            acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+            stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+            lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
+            dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -223,31 +223,38 @@ def _placeholder(dtype=jnp.float32) -> jax.Array:
     return jnp.zeros((1,), dtype)
 
 
-def _spans(ids: jax.Array, other: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """For each id in `ids` (B, L), the span [lo, hi) of positions in `other` (B, S) holding the
-    same id: lo the first, hi one past the last (lo = hi = 0 when absent). Any ids, any order."""
+def _spans(ids: jax.Array, other: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each id in `ids` (B, L), the span [lo, hi) of positions in `other` (B, S) holding the same
+    id (lo = hi = 0 when absent) and whether those positions fill the span (a contiguous run).
 
-    def one(ids_b, other_b):
-        order = jnp.argsort(other_b, stable=True)
-        ordered = other_b[order]
-        left = jnp.searchsorted(ordered, ids_b, side="left")
-        right = jnp.searchsorted(ordered, ids_b, side="right")
-        found = right > left
-        last = jnp.maximum(right - 1, 0)
-        lo = jnp.where(found, order[jnp.minimum(left, other_b.shape[0] - 1)], 0)
-        hi = jnp.where(found, order[last] + 1, 0)
-        return lo.astype(jnp.int32), hi.astype(jnp.int32)
-
-    return jax.vmap(one)(ids, other)
+    O(L + S) scatters, no sort: ids in [0, S) index a table of first / last / count per id; an id
+    outside that range gets the whole span [0, S), not contiguous (conservative: the kernels then
+    compare ids element by element).
+    """
+    b, n = other.shape
+    rows = jnp.arange(b)[:, None]
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), other.shape)
+    slot = jnp.where((other >= 0) & (other < n), other, n)  # slot n collects out-of-range ids
+    first = jnp.full((b, n + 1), n, jnp.int32).at[rows, slot].min(pos)
+    last = jnp.full((b, n + 1), -1, jnp.int32).at[rows, slot].max(pos)
+    count = jnp.zeros((b, n + 1), jnp.int32).at[rows, slot].add(1)
+    in_range = (ids >= 0) & (ids < n)
+    idx = jnp.where(in_range, ids, n)
+    f, l_, c = (jnp.take_along_axis(t, idx, axis=1) for t in (first, last, count))
+    present = c > 0
+    lo = jnp.where(in_range, jnp.where(present, f, 0), 0)
+    hi = jnp.where(in_range, jnp.where(present, l_ + 1, 0), n)
+    contiguous = in_range & (c == hi - lo)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32), contiguous.astype(jnp.int32)
 
 
 def segment_tables(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The kernels' segment tables: SegQ (B, 3, L) = (ids, key span lo, key span hi) and
-    SegK (B, 3, S) = (ids, query span lo, query span hi), int32."""
+    """The kernels' segment tables, int32: SegQ (B, 4, L) = (ids, key span lo, key span hi, keys of
+    the span all share the id) and SegK (B, 4, S) = (ids, query span lo, query span hi, contiguous)."""
     q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
-    k_lo, k_hi = _spans(q_ids, kv_ids)
-    q_lo, q_hi = _spans(kv_ids, q_ids)
-    return jnp.stack([q_ids, k_lo, k_hi], axis=1), jnp.stack([kv_ids, q_lo, q_hi], axis=1)
+    seg_q = jnp.stack([q_ids, *_spans(q_ids, kv_ids)], axis=1)
+    seg_k = jnp.stack([kv_ids, *_spans(kv_ids, q_ids)], axis=1)
+    return seg_q, seg_k
 
 
 def _extra_inputs(extras: FlashExtras, seg_tables) -> tuple[jax.Array, ...]:
