@@ -1,0 +1,227 @@
+"""Decode attention benchmark on CUDA: bandwidth of the Triton split-K kernel against the device's
+copy bandwidth and against torch SDPA over the padded cache with a mask.
+
+    python benchmarks/decode_gpu.py [--out decode.json] [--sweep]
+
+Setting (the issue's): bf16, Hq=32, Hkv=8, D=128, one query per sequence.
+  * copy bandwidth: torch `dst.copy_(src)` of 1 GiB; reported as bytes read + written per second
+    (`copy_gbps`, the usual "device copy bandwidth") and bytes read per second (`copy_read_gbps`).
+  * decode GB/s = bytes of K and V the call must read (the valid positions only) / time;
+    `frac_of_copy` = decode GB/s / copy_gbps (target >= 0.9 for full caches).
+  * "jax": the jitted JAX function on arrays that share the torch tensors' memory (the kernel's
+    own cost plus a JAX dispatch; back-to-back calls, wall time to block_until_ready). "torch_api":
+    `jaxattn.torch_api.decode_attention` (bridge included). "torch_sdpa": torch's
+    `scaled_dot_product_attention` on the same (B, Hkv, S, D) cache with a (B, 1, 1, S) bool mask
+    and enable_gqa=True (its default backend choice), and "torch_sdpa_expanded" with K/V already
+    repeated to Hq heads outside the timing (lets torch pick its memory-efficient kernel).
+  * ragged batches: lengths uniform in [S/8, S]; speedup = torch SDPA time / ours.
+  * B=1, S=4096: latency through the torch API (steady state, and one call at a time).
+  * paged (page size 16, pages in random order) against the contiguous cache.
+Steady-state timing: back-to-back calls between CUDA events (torch) or to block_until_ready (JAX),
+median of 5 repeats after warm-up (see foundation_gpu.py `time_torch` / `time_jax`).
+`--sweep` also times tiles (BLOCK_N, warps, stages) and split counts of the kernel itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jaxattn.bridge  # noqa: F401,E402  (memory policy first)
+import jax  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import statistics  # noqa: E402
+
+from foundation_gpu import time_jax, time_torch  # noqa: E402
+
+from jaxattn.bridge import to_jax  # noqa: E402
+from jaxattn.jax_core import decode_attention as jax_decode  # noqa: E402
+from jaxattn.jax_core.kernels.decode_jax_triton import DecodeConfig, decode_attention_triton  # noqa: E402
+from jaxattn.torch_api import decode_attention  # noqa: E402
+
+HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
+
+
+def copy_bandwidth(gib=1.0):
+    src = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = time_torch(lambda: dst.copy_(src), iters=20)
+    nbytes = src.numel() * 2
+    return {"bytes": nbytes, "us": us, "copy_gbps": 2 * nbytes / us / 1e3, "copy_read_gbps": nbytes / us / 1e3}
+
+
+def kv_bytes(lengths):
+    return int(lengths.sum()) * HKV * D * 2 * 2  # K and V, bf16
+
+
+def make_inputs(b, s, lengths, gen):
+    q = torch.randn(b, HQ, 1, D, generator=gen, device="cuda", dtype=DTYPE)
+    k_bhsd, v_bhsd = (torch.randn(b, HKV, s, D, generator=gen, device="cuda", dtype=DTYPE) for _ in "kv")
+    mask = (torch.arange(s, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+    return q, k_bhsd, v_bhsd, mask
+
+
+def jax_caller(q, k, v, lengths, block_table=None, cache_layout="BSHD"):
+    """A no-argument function running the jitted JAX decode on arrays sharing the tensors' memory."""
+    arrays = to_jax([x for x in (q, k, v, lengths, block_table) if x is not None])
+    fn = jax.jit(lambda q, k, v, n, *bt: jax_decode(q, k, v, n, block_table=bt[0] if bt else None,
+                                                    cache_layout=cache_layout, query_layout="BHTD").attention_outputs)
+    return lambda: fn(*arrays)
+
+
+def torch_sdpa_times(q, k, v, mask, iters):
+    """torch SDPA over the padded cache with the mask: as is (GQA), and with K/V pre-expanded."""
+    row = {}
+    with torch.no_grad():
+        row["torch_sdpa_us"] = time_torch(
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), iters=iters)
+        k_rep, v_rep = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
+        row["torch_sdpa_expanded_us"] = time_torch(
+            lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask), iters=iters)
+        del k_rep, v_rep
+    return row
+
+
+def paged_copy(k_bshd, v_bshd, page_size, gen):
+    b, s = k_bshd.shape[:2]
+    per_seq = s // page_size
+    order = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(0)).cuda()
+    pages = [torch.empty(b * per_seq, page_size, HKV, D, device="cuda", dtype=DTYPE) for _ in "kv"]
+    for p, x in zip(pages, (k_bshd, v_bshd)):
+        p[order] = x.reshape(b * per_seq, page_size, HKV, D)
+    return pages[0], pages[1], order.view(b, per_seq).to(torch.int32)
+
+
+def bench(b, s, copy_gbps, ragged, iters=30):
+    gen = torch.Generator(device="cuda").manual_seed(b * s)
+    if ragged:
+        lengths = torch.randint(s // 8, s + 1, (b,), generator=gen, device="cuda", dtype=torch.int32)
+    else:
+        lengths = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    q, k_bhsd, v_bhsd, mask = make_inputs(b, s, lengths, gen)
+    k_bshd, v_bshd = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+    nbytes = kv_bytes(lengths)
+    row = {"B": b, "S": s, "ragged": ragged, "kv_bytes": nbytes}
+    row["jax_us"] = time_jax(jax_caller(q, k_bshd, v_bshd, lengths), iters=iters)
+    row["jax_bhsd_us"] = time_jax(jax_caller(q, k_bhsd, v_bhsd, lengths, cache_layout="BHSD"), iters=iters)
+    with torch.no_grad():
+        row["torch_api_us"] = time_torch(lambda: decode_attention(q, k_bshd, v_bshd, lengths), iters=iters)
+    row.update(torch_sdpa_times(q, k_bhsd, v_bhsd, mask, iters))
+    row["jax_gbps"] = nbytes / row["jax_us"] / 1e3
+    row["frac_of_copy"] = row["jax_gbps"] / copy_gbps
+    row["torch_api_gbps"] = nbytes / row["torch_api_us"] / 1e3
+    row["speedup_jax_vs_torch_sdpa"] = row["torch_sdpa_us"] / row["jax_us"]
+    row["speedup_torch_api_vs_torch_sdpa"] = row["torch_sdpa_us"] / row["torch_api_us"]
+    row["speedup_jax_vs_torch_sdpa_expanded"] = row["torch_sdpa_expanded_us"] / row["jax_us"]
+    if not ragged:
+        k_pages, v_pages, table = paged_copy(k_bshd, v_bshd, 16, gen)
+        row["paged_jax_us"] = time_jax(jax_caller(q, k_pages, v_pages, lengths, table, cache_layout="paged"),
+                                       iters=iters)
+        with torch.no_grad():
+            row["paged_torch_api_us"] = time_torch(
+                lambda: decode_attention(q, k_pages, v_pages, lengths, block_table=table), iters=iters)
+        row["paged_jax_gbps"] = nbytes / row["paged_jax_us"] / 1e3
+        row["paged_over_contiguous_time"] = row["paged_jax_us"] / row["jax_us"]
+        del k_pages, v_pages
+    # The same numbers from one call's output: a sanity check that every path agrees.
+    with torch.no_grad():
+        ours = decode_attention(q, k_bshd, v_bshd, lengths)
+        ref = F.scaled_dot_product_attention(q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True)
+    row["max_abs_diff_vs_torch"] = (ours.float() - ref.float()).abs().max().item()
+    return row
+
+
+def one_call_us(fn, n=50):
+    """Median wall time of single calls from an idle GPU (synchronised before and after each)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def latency_b1(s=4096):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lengths = torch.full((1,), s, dtype=torch.int32, device="cuda")
+    q, k_bhsd, v_bhsd, mask = make_inputs(1, s, lengths, gen)
+    k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+    row = {"B": 1, "S": s}
+    with torch.no_grad():
+        row["torch_api_steady_us"] = time_torch(lambda: decode_attention(q, k, v, lengths), iters=100)
+        row["torch_api_one_call_us"] = one_call_us(lambda: decode_attention(q, k, v, lengths))
+        row["torch_sdpa_one_call_us"] = one_call_us(
+            lambda: F.scaled_dot_product_attention(q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True))
+        row["torch_sdpa_steady_us"] = time_torch(
+            lambda: F.scaled_dot_product_attention(q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True), iters=100)
+    row["jax_us"] = time_jax(jax_caller(q, k, v, lengths), iters=100)
+    return row
+
+
+def sweep(shapes, copy_gbps):
+    """Kernel-only timings (JAX level) over tiles and split counts."""
+    rows = []
+    tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (64, 8, 3), (128, 8, 3)]
+    for b, s in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        lengths = torch.full((b,), s, dtype=torch.int32, device="cuda")
+        q, k_bhsd, v_bhsd, _ = make_inputs(b, s, lengths, gen)
+        k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+        del k_bhsd, v_bhsd
+        qj, kj, vj, nj = to_jax([q, k, v, lengths])
+        for tile in tiles:
+            for splits in (None, 1, 2, 4, 8, 16, 32):
+                if splits is not None and tile != (64, 4, 3):
+                    continue  # splits are swept at one tile
+                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", tiles=tile, num_splits=splits)
+                fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
+                try:
+                    us = time_jax(lambda: fn(qj, kj, vj, nj), iters=20)
+                except Exception as exc:  # a tile Triton cannot compile: record and go on
+                    rows.append({"B": b, "S": s, "tile": tile, "splits": splits, "error": str(exc)[:160]})
+                    continue
+                gbps = kv_bytes(lengths) / us / 1e3
+                rows.append({"B": b, "S": s, "tile": tile, "splits": splits, "us": us, "gbps": gbps,
+                             "frac_of_copy": gbps / copy_gbps})
+        del q, k, v, qj, kj, vj
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--sweep", action="store_true", help="also sweep tiles and split counts")
+    args = parser.parse_args()
+    copy = copy_bandwidth()
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__},
+        "setting": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16", "q_len": 1},
+        "copy": copy,
+        "full": [bench(32, 8192, copy["copy_gbps"], False), bench(8, 32768, copy["copy_gbps"], False)],
+        "ragged": [bench(32, 8192, copy["copy_gbps"], True), bench(8, 32768, copy["copy_gbps"], True)],
+        "latency_b1": latency_b1(),
+    }
+    if args.sweep:
+        result["sweep"] = sweep([(32, 8192), (8, 32768), (1, 4096)], copy["copy_gbps"])
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

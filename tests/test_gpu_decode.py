@@ -1,0 +1,132 @@
+"""Decode attention on CUDA (Triton split-K kernels through jax-triton) via the torch API: the CPU
+grid (cache layouts, GQA 1/4/8, q_len 1/4, ragged lengths incl. 1 and S_max and an empty sequence,
+window, soft cap, sinks) in bf16/fp16, with flash-attn's rule: our error against a float64
+reference is at most twice torch's error in the same dtype, plus 1e-3. Skipped without a CUDA
+device or jax-triton."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decode_cases import layout_cache, oracle, ragged_cache
+
+from jaxattn.torch_api import KVCache, decode_attention, scaled_dot_product_attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None, reason="needs jax-triton (pip install 'jaxattn[gpu]')"),
+]
+
+DEV = "cuda"
+B, HKV, S = 5, 2, 1008  # S a multiple of the page size (16)
+LENGTHS = [1, S, 517, 0, 64]  # length 1, a full cache, ragged, empty, one key block
+STARTS = [0, 0, 100, 0, 63]
+
+# (layout, GQA ratio, q_len, window, softcap, sinks, head dim)
+CASES = [
+    ("BSHD", 1, 1, None, None, False, 128),
+    ("BSHD", 4, 4, 200, None, True, 128),
+    ("BSHD", 8, 1, None, 30.0, False, 64),
+    ("BHSD", 4, 1, None, None, True, 128),
+    ("BHSD", 8, 4, 64, 20.0, True, 128),
+    ("BHSD", 1, 4, None, None, False, 256),
+    ("paged", 1, 1, None, 30.0, True, 128),
+    ("paged", 4, 4, None, None, False, 128),
+    ("paged", 8, 4, 300, 30.0, True, 80),
+]
+
+
+def _err(x, ref):
+    return (x.double() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_kernels_on_gpu(case, dtype):
+    layout, groups, t, window, softcap, with_sinks, d = case
+    gen = torch.Generator(device=DEV).manual_seed(sum(map(hash, map(str, case))) % 2**31 + (dtype == torch.float16))
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32, device=DEV)
+    starts = torch.tensor(STARTS, dtype=torch.int32, device=DEV)
+    hq = HKV * groups
+    q = torch.randn(B, hq, t, d, generator=gen, device=DEV).to(dtype)
+    k, v = ragged_cache(gen, B, S, HKV, d, lengths, starts, dtype=dtype, device=DEV)
+    sinks = torch.randn(hq, generator=gen, device=DEV) if with_sinks else None
+    kc, vc, table = layout_cache(k, v, layout, gen=gen, page_size=16)
+    kw = dict(window=window, softcap=softcap, sinks=sinks)
+    out, lse = decode_attention(q, kc, vc, lengths, cache_starts=starts, block_table=table,
+                                cache_layout="BHSD" if layout == "BHSD" else "BSHD", return_lse=True, **kw)
+    ref, ref_lse = oracle(q, k, v, lengths, starts, **kw)
+    low, _ = oracle(q, k, v, lengths, starts, dtype=dtype, **kw)
+    assert out.dtype == dtype and out.shape == (B, hq, t, d)
+    assert torch.isfinite(out).all()
+    assert _err(out, ref) <= 2 * _err(low, ref) + 1e-3
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() < 1e-2
+
+
+def test_float32_on_gpu():
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32, device=DEV)
+    starts = torch.tensor(STARTS, dtype=torch.int32, device=DEV)
+    q = torch.randn(B, 8, 4, 64, generator=gen, device=DEV)
+    k, v = ragged_cache(gen, B, S, HKV, 64, lengths, starts, device=DEV)
+    out = decode_attention(q, k, v, lengths, cache_starts=starts, window=300, softcap=20.0)
+    ref, _ = oracle(q, k, v, lengths, starts, window=300, softcap=20.0)
+    assert _err(out, ref) < 2e-4  # tf32x3 dots
+
+
+def test_sdpa_drop_in_selects_decode_for_one_query_and_stays_differentiable():
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    q = torch.randn(2, 8, 1, 128, generator=gen, device=DEV).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 2, 700, 128, generator=gen, device=DEV).bfloat16().requires_grad_() for _ in "kv")
+    out = scaled_dot_product_attention(q, k, v, enable_gqa=True)  # automatic: decode (one query vs 700 keys)
+    forced = scaled_dot_product_attention(q, k, v, enable_gqa=True, implementation="decode")
+    assert torch.equal(out, forced)
+    ref = F.scaled_dot_product_attention(*(x.double() for x in (q, k, v)), enable_gqa=True)
+    low = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert _err(out, ref) <= 2 * _err(low, ref) + 1e-3
+    dout = torch.randn(out.shape, generator=gen, device=DEV).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    low_grads = torch.autograd.grad(low, (q, k, v), dout)
+    for g, rg, lg in zip(grads, ref_grads, low_grads):
+        assert _err(g, rg) <= 2 * _err(lg, rg) + 1e-3
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kv_cache_on_gpu(paged):
+    gen = torch.Generator(device=DEV).manual_seed(5 + paged)
+    b, hq, hkv, d = 3, 16, 4, 128
+    cache = (KVCache.paged(b, 300, hkv, d, page_size=16, dtype=torch.bfloat16, device=DEV) if paged
+             else KVCache.contiguous(b, 300, hkv, d, dtype=torch.bfloat16, device=DEV))
+    cache.key.fill_(float("nan"))
+    cache.value.fill_(float("nan"))
+    cache.set_starts([3, 0, 40])
+    ks, vs = [], []
+    for t in (100, 1, 1, 4, 1):
+        k, v = (torch.randn(b, hkv, t, d, generator=gen, device=DEV).bfloat16() for _ in "kv")
+        cache.append(k, v)
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(b, hq, 1, d, generator=gen, device=DEV).bfloat16()
+    dense_k, dense_v = (torch.cat(x, dim=2).transpose(1, 2) for x in (ks, vs))
+    lengths = torch.full((b,), 107, dtype=torch.int32, device=DEV)
+    ref, _ = oracle(q, dense_k, dense_v, lengths, cache.starts)
+    low, _ = oracle(q, dense_k, dense_v, lengths, cache.starts, dtype=torch.bfloat16)
+    assert _err(cache.attend(q), ref) <= 2 * _err(low, ref) + 1e-3
+
+
+def test_generate_tiny_example_on_gpu(capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    try:
+        import generate_tiny
+    finally:
+        sys.path.pop(0)
+    assert generate_tiny.main(["--device", DEV, "--steps", "12"]) == 0
+    assert capsys.readouterr().out.count("tokens match torch SDPA") == 2
