@@ -115,6 +115,12 @@ def gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
 
 
 def _xla_decode(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
+    # Full-precision float32 dots (no TF32 on GPUs): this path also gives the kernels' gradients.
+    with jax.default_matmul_precision("highest"):
+        return _xla_decode_body(q, k, v, lengths, starts, block_table, sinks, spec)
+
+
+def _xla_decode_body(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
     if spec.q_layout == "BHTD":
         q = _swap(q)
     if spec.cache_layout == "paged":

@@ -43,7 +43,7 @@ def layout_cache(k, v, layout, *, gen, page_size=8, spare_pages=3):
     b, s = k.shape[:2]
     per_seq = s // page_size
     total = b * per_seq + spare_pages
-    order = torch.randperm(total, generator=gen)[: b * per_seq].to(k.device)
+    order = torch.randperm(total, generator=gen, device=gen.device)[: b * per_seq].to(k.device)
     table = order.view(b, per_seq).to(torch.int32)
     pages = []
     for x in (k, v):

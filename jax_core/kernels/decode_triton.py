@@ -40,8 +40,8 @@ import triton.language as tl
 
 from .flash_common_triton import tanh_f32
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 are written out in the kernels:
+# Triton kernels cannot read non-constexpr globals.
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def decode_split_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_SINKS and NUM_SPLITS == 1:  # the sink starts the recurrence (merged later when split)
-        m_i = tl.load(Sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32) * LOG2E
+        m_i = tl.load(Sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     else:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
@@ -147,9 +147,9 @@ def decode_split_kernel(
         else:
             qk = tl.dot(q, kt)
         if SOFTCAP:
-            s2 = (softcap * LOG2E) * tanh_f32(qk * (scale / softcap), FAST_TANH)
+            s2 = (softcap * 1.4426950408889634) * tanh_f32(qk * (scale / softcap), FAST_TANH)
         else:
-            s2 = qk * (scale * LOG2E)
+            s2 = qk * (scale * 1.4426950408889634)
         visible = (col_ok[None, :] & row_valid[:, None]
                    & (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None]))
         s2 = tl.where(visible, s2, float("-inf"))
@@ -171,7 +171,7 @@ def decode_split_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     split = pid_split.to(tl.int64)
     o_ptrs = (Out + b64 * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_osplit
               + offs_dv[None, :] * stride_od)
