@@ -255,6 +255,28 @@ def test_kv_cache_page_pool_exhaustion_and_bad_appends():
         KVCache.paged(2, 64, 2, 16, page_size=0)
 
 
+def test_cache_buffers_are_read_zero_copy(monkeypatch):
+    import jaxattn.bridge.dlpack as dlpack
+
+    seen = []
+    original = dlpack.importable
+
+    def spy(t):
+        out = original(t)
+        seen.append((t.data_ptr(), out.data_ptr()))
+        return out
+
+    monkeypatch.setattr(dlpack, "importable", spy)
+    gen = torch.Generator().manual_seed(2)
+    cache = KVCache.paged(2, 64, 2, 16, page_size=8)
+    cache.append(torch.randn(2, 2, 5, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen))
+    seen.clear()
+    cache.attend(torch.randn(2, 4, 1, 16, generator=gen))
+    pointers = {before for before, _ in seen}
+    assert {cache.key.data_ptr(), cache.value.data_ptr()} <= pointers
+    assert all(before == after for before, after in seen)  # nothing was copied
+
+
 # ------------------------------------------------------------------------------------------- errors
 
 
