@@ -36,8 +36,8 @@ def run(b, h, l, d):
     print("segment_tables:", f"{_ms(jax.jit(fj.segment_tables), ids, ids):.3f} ms", flush=True)
     tables = jax.jit(fj.segment_tables)(ids, ids)
     extras = fj.FlashExtras(segment_ids=(ids, ids))
-    plain = jax.jit(lambda q, k, v: fj._forward(q, k, v, None, None, None, fj.FlashExtras(), None, cfg)[0])
-    seg = jax.jit(lambda q, k, v, t: fj._forward(q, k, v, None, None, None, extras, t, cfg)[0])
+    plain = jax.jit(lambda q, k, v: fj._forward(q, k, v, None, None, None, fj.FlashExtras(), None, None, cfg)[0])
+    seg = jax.jit(lambda q, k, v, t: fj._forward(q, k, v, None, None, None, extras, t, None, cfg)[0])
     print("fwd kernel plain:", f"{_ms(plain, q, k, v):.3f} ms", flush=True)
     print("fwd kernel with segments (tables given):", f"{_ms(seg, q, k, v, tables):.3f} ms", flush=True)
 

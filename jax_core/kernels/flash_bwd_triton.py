@@ -163,6 +163,71 @@ def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
 
 
 @triton.jit
+def _dkdv_block(acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
+                Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
+                seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
+                seed, dropout_p, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
+                FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Adds the query block starting at start_m to the (acc_dk, acc_dv) of one key block."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < seq_l
+    rows_m = (q_off + offs_m)[:, None]
+    q = tl.load(Q_bh + rows_m * stride_qm + offs_d[None, :] * stride_qd,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(dO_bh + rows_m * stride_dom + offs_dv[None, :] * stride_dod,
+                 mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+    lse = tl.load(Lse + row0 + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(Delta + row0 + offs_m, mask=m_ok, other=0.0)
+    qseg = offs_m
+    if HAS_SEGMENTS:
+        qseg = tl.load(segq_b + offs_m, mask=m_ok, other=0)
+    p, ds_post, ds_pre = _block_grads(
+        q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
+        stride_bm, stride_bn, stride_mm, stride_mn,
+        seq_l, seq_s, scale, softcap, window_left, window_right, diag,
+        qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
+        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
+    acc_dv = _dot(tl.trans(p.to(do.dtype)), do, acc_dv)
+    acc_dk = _dot(tl.trans(ds_pre.to(q.dtype)), q, acc_dk)
+    return acc_dk, acc_dv
+
+
+@triton.jit
+def _dq_block(acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
+              K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
+              stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+              stride_dsm, stride_dsn,
+              seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
+              seed, dropout_p, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+              SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
+              FAST_TANH: tl.constexpr, WRITE_DS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Adds the key block starting at start_n to acc_dq of one query block; writes its dS tile."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < seq_s
+    rows_n = (k_off + offs_n)[:, None]
+    k = tl.load(K_bh + rows_n * stride_kn + offs_d[None, :] * stride_kd,
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V_bh + rows_n * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+    kseg = offs_n
+    if HAS_SEGMENTS:
+        kseg = tl.load(segk_b + offs_n, mask=n_ok, other=0)
+    p, ds_post, ds_pre = _block_grads(
+        q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
+        stride_bm, stride_bn, stride_mm, stride_mn,
+        seq_l, seq_s, scale, softcap, window_left, window_right, diag,
+        qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
+        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
+    acc_dq = _dot(ds_pre.to(k.dtype), k, acc_dq)
+    if WRITE_DS:
+        tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn, ds_post,
+                 mask=m_ok[:, None] & n_ok[None, :])
+    return acc_dq
+
+
+@triton.jit
 def flash_bwd_preprocess_kernel(
     Out, dOut, Delta,
     stride_ob, stride_oh, stride_om, stride_od,
@@ -212,6 +277,7 @@ def flash_bwd_dkdv_kernel(
     HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
+    Vis=None, stride_tb=0, stride_th=0, stride_tm=0, stride_tn=0, BLOCK_SKIP: tl.constexpr = False,
 ):
     """dK and dV of one key block of one (batch, KV head). Grid (cdiv(S, BLOCK_N), B * Hk).
 
@@ -239,6 +305,9 @@ def flash_bwd_dkdv_kernel(
             bottom-right, else top-left; diag_offset is then ignored).
         Seed: two int32 words of the dropout seed, read iff DROPOUT; dropout_p: drop probability.
         FAST_TANH: hardware tanh for the soft cap (NVIDIA only).
+        Vis, stride_t*: int8 block-visibility table (B|1, Hq|1, cdiv(L, BLOCK_M)|1,
+            cdiv(S, BLOCK_N)|1), read iff BLOCK_SKIP: tiles marked 0 (fully masked by the bool
+            mask or a -inf bias) are skipped.
         BLOCK_M, BLOCK_N: tile sizes. BLOCK_D, BLOCK_DV: next_power_of_2(D), next_power_of_2(Dv).
     """
     pid_n = tl.program_id(0)
@@ -308,27 +377,28 @@ def flash_bwd_dkdv_kernel(
         row0 = (b * Hq + h) * L
         if VARLEN:
             row0 = h * L + q_off
+        vis_h = Vis
+        if BLOCK_SKIP:
+            vis_h = Vis + b * stride_tb + h * stride_th + pid_n * stride_tn
         for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < seq_l
-            rows_m = (q_off + offs_m)[:, None]
-            q = tl.load(Q_bh + rows_m * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(dO_bh + rows_m * stride_dom + offs_dv[None, :] * stride_dod,
-                         mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
-            lse = tl.load(Lse + row0 + offs_m, mask=m_ok, other=0.0)
-            delta = tl.load(Delta + row0 + offs_m, mask=m_ok, other=0.0)
-            qseg = offs_m
-            if HAS_SEGMENTS:
-                qseg = tl.load(segq_b + offs_m, mask=m_ok, other=0)
-            p, ds_post, ds_pre = _block_grads(
-                q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
-                stride_bm, stride_bn, stride_mm, stride_mn,
-                seq_l, seq_s, scale, softcap, window_left, window_right, diag,
-                qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
-                CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
-            acc_dv = _dot(tl.trans(p.to(do.dtype)), do, acc_dv)
-            acc_dk = _dot(tl.trans(ds_pre.to(q.dtype)), q, acc_dk)
+            if BLOCK_SKIP:
+                live = tl.load(vis_h + (start_m // BLOCK_M) * stride_tm)
+                if live != 0:
+                    acc_dk, acc_dv = _dkdv_block(
+                        acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
+                        Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
+                        stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
+                        seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
+                        seed, dropout_p, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
+                        FAST_TANH, BLOCK_M)
+            else:
+                acc_dk, acc_dv = _dkdv_block(
+                    acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
+                    Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
+                    seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
+                    seed, dropout_p, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
+                    FAST_TANH, BLOCK_M)
 
     acc_dk = acc_dk * scale
     tl.store(dK + b_mem * stride_dkb + hk64 * stride_dkh + rows_n * stride_dkn
@@ -359,6 +429,7 @@ def flash_bwd_dq_kernel(
     HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
+    Vis=None, stride_tb=0, stride_th=0, stride_tm=0, stride_tn=0, BLOCK_SKIP: tl.constexpr = False,
 ):
     """dQ (and optionally dS) of one query block of one (batch, query head).
 
@@ -387,6 +458,9 @@ def flash_bwd_dq_kernel(
             bottom-right, else top-left; diag_offset is then ignored).
         Seed: two int32 words of the dropout seed, read iff DROPOUT; dropout_p: drop probability.
         FAST_TANH: hardware tanh for the soft cap (NVIDIA only).
+        Vis, stride_t*: int8 block-visibility table (B|1, Hq|1, cdiv(L, BLOCK_M)|1,
+            cdiv(S, BLOCK_N)|1), read iff BLOCK_SKIP: tiles marked 0 (fully masked by the bool
+            mask or a -inf bias) are skipped.
         BLOCK_M, BLOCK_N: tile sizes. BLOCK_D, BLOCK_DV: next_power_of_2(D), next_power_of_2(Dv).
     """
     pid_m = tl.program_id(0)
@@ -454,27 +528,33 @@ def flash_bwd_dq_kernel(
     if DROPOUT:
         seed = load_seed(Seed)
 
+    vis_row = Vis
+    if BLOCK_SKIP:
+        vis_row = Vis + b * stride_tb + h * stride_th + pid_m * stride_tm
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < seq_s
-        rows_n = (k_off + offs_n)[:, None]
-        k = tl.load(K_bh + rows_n * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V_bh + rows_n * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        kseg = offs_n
-        if HAS_SEGMENTS:
-            kseg = tl.load(segk_b + offs_n, mask=n_ok, other=0)
-        p, ds_post, ds_pre = _block_grads(
-            q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
-            stride_bm, stride_bn, stride_mm, stride_mn,
-            seq_l, seq_s, scale, softcap, window_left, window_right, diag,
-            qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
-            CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
-        acc_dq = _dot(ds_pre.to(k.dtype), k, acc_dq)
-        if WRITE_DS:
-            tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn, ds_post,
-                     mask=m_ok[:, None] & n_ok[None, :])
+        if BLOCK_SKIP:
+            live = tl.load(vis_row + (start_n // BLOCK_N) * stride_tn)
+            if live != 0:
+                acc_dq = _dq_block(
+                    acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
+                    K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
+                    stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+                    stride_dsm, stride_dsn, seq_l, seq_s, q_off, k_off, S, scale, softcap,
+                    window_left, window_right, diag, seed, dropout_p,
+                    CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N)
+            elif WRITE_DS:  # a skipped tile's gradient is zero
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn,
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                         mask=m_ok[:, None] & (offs_n[None, :] < S))
+        else:
+            acc_dq = _dq_block(
+                acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
+                K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+                stride_dsm, stride_dsn, seq_l, seq_s, q_off, k_off, S, scale, softcap,
+                window_left, window_right, diag, seed, dropout_p,
+                CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N)
 
     if WRITE_DS:
         # Key blocks skipped by the loop bounds still get their (zero) gradient written.

@@ -86,10 +86,89 @@ def fwd_block_sizes(D, Dv, dtype_bytes):
 
 
 @triton.jit
-def _fwd_stage(
-    acc, l_i, m_i, q, qseg,
+def _fwd_block(
+    acc, l_i, m_i, q, qseg, start_n,
     k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
     stride_kn, stride_vn, stride_bn, stride_mn,
+    offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi, S,
+    scale, softcap,
+    seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+    MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Accumulates the key block starting at start_n into (acc, l_i, m_i); see `_fwd_stage`."""
+    cols = start_n + offs_n
+    if MASKED:
+        col_valid = cols < S
+        kt = tl.load(k_ptrs + start_n * stride_kn, mask=d_mask[:, None] & col_valid[None, :],
+                     other=0.0)
+        rc_mask = row_valid[:, None] & col_valid[None, :]
+    else:
+        kt = tl.load(k_ptrs + start_n * stride_kn, mask=d_mask[:, None], other=0.0)
+        rc_mask = row_valid[:, None]
+    if q.dtype == tl.float32:
+        qk = tl.dot(q, kt, input_precision="tf32x3")
+    else:
+        qk = tl.dot(q, kt)
+    # Scores in the log2 domain: s2 = log2(e) * s.
+    if SOFTCAP:
+        s = softcap * tanh_f32(qk * (scale / softcap), FAST_TANH)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=rc_mask, other=0.0)
+            s += bias.to(tl.float32)
+        s2 = s * 1.4426950408889634
+    elif HAS_BIAS:
+        bias = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=rc_mask, other=0.0)
+        s2 = (qk * scale + bias.to(tl.float32)) * 1.4426950408889634
+    else:
+        s2 = qk * (scale * 1.4426950408889634)
+    if MASKED:
+        visible = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None])
+        if HAS_MASK:
+            mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
+            visible = visible & (mvals != 0)
+        if HAS_SEGMENTS:
+            kseg = tl.load(kseg_ptr + cols, mask=col_valid, other=0)
+            visible = visible & (qseg[:, None] == kseg[None, :])
+        s2 = tl.where(visible, s2, float("-inf"))
+    elif HAS_MASK or HAS_SEGMENTS:
+        visible = rc_mask
+        if HAS_MASK:
+            mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
+            visible = visible & (mvals != 0)
+        if HAS_SEGMENTS:
+            kseg = tl.load(kseg_ptr + cols)
+            visible = visible & (qseg[:, None] == kseg[None, :])
+        s2 = tl.where(visible, s2, float("-inf"))
+    # Online softmax; a row whose running max is still -inf uses 0 as its reference so that
+    # exp2(-inf - ref) = 0 instead of NaN.
+    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s2 - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DROPOUT:
+        keep = dropout_keep(seed, drop_row0, drop_rows, k_off + cols, S_mem, dropout_p)
+        p = tl.where(keep, p, 0.0)
+    if MASKED:
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=col_valid[:, None] & dv_mask[None, :],
+                    other=0.0)
+    else:
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=dv_mask[None, :], other=0.0)
+    if v.dtype == tl.float32:
+        acc = tl.dot(p, v, acc, input_precision="tf32x3")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_stage(
+    acc, l_i, m_i, q, qseg,
+    k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
+    stride_kn, stride_vn, stride_bn, stride_mn, stride_tn,
     offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
     start, end, S,
     scale, softcap,
@@ -97,109 +176,63 @@ def _fwd_stage(
     MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SKIP: tl.constexpr,
 ):
     """Accumulates key blocks [start, end) (start a multiple of BLOCK_N) into (acc, l_i, m_i).
 
     MASKED: apply the positional rule (row_lo <= j < row_hi, which also implies j < S); otherwise
     every key of every block is known visible and inside [0, S). Bool masks and segment ids are
     applied in both cases. With DROPOUT, l_i sums every probability but only kept ones reach acc.
+    BLOCK_SKIP: vis_ptr points at this query block's row of the block-visibility table (one int8
+    per key block, stride stride_tn); key blocks marked 0 (every element masked by the bool mask or
+    a -inf bias) are neither loaded nor computed. Skipping them is exact: they would add exp(-inf) = 0.
     """
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        if MASKED:
-            col_valid = cols < S
-            kt = tl.load(k_ptrs + start_n * stride_kn, mask=d_mask[:, None] & col_valid[None, :],
-                         other=0.0)
-            rc_mask = row_valid[:, None] & col_valid[None, :]
+        if BLOCK_SKIP:
+            live = tl.load(vis_ptr + (start_n // BLOCK_N) * stride_tn)
+            if live != 0:
+                acc, l_i, m_i = _fwd_block(
+                    acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+                    stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
+                    row_lo, row_hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+                    MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
         else:
-            kt = tl.load(k_ptrs + start_n * stride_kn, mask=d_mask[:, None], other=0.0)
-            rc_mask = row_valid[:, None]
-        if q.dtype == tl.float32:
-            qk = tl.dot(q, kt, input_precision="tf32x3")
-        else:
-            qk = tl.dot(q, kt)
-        # Scores in the log2 domain: s2 = log2(e) * s.
-        if SOFTCAP:
-            s = softcap * tanh_f32(qk * (scale / softcap), FAST_TANH)
-            if HAS_BIAS:
-                bias = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=rc_mask, other=0.0)
-                s += bias.to(tl.float32)
-            s2 = s * 1.4426950408889634
-        elif HAS_BIAS:
-            bias = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=rc_mask, other=0.0)
-            s2 = (qk * scale + bias.to(tl.float32)) * 1.4426950408889634
-        else:
-            s2 = qk * (scale * 1.4426950408889634)
-        if MASKED:
-            visible = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None])
-            if HAS_MASK:
-                mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
-                visible = visible & (mvals != 0)
-            if HAS_SEGMENTS:
-                kseg = tl.load(kseg_ptr + cols, mask=col_valid, other=0)
-                visible = visible & (qseg[:, None] == kseg[None, :])
-            s2 = tl.where(visible, s2, float("-inf"))
-        elif HAS_MASK or HAS_SEGMENTS:
-            visible = rc_mask
-            if HAS_MASK:
-                mvals = tl.load(mask_ptrs + cols[None, :] * stride_mn, mask=rc_mask, other=0)
-                visible = visible & (mvals != 0)
-            if HAS_SEGMENTS:
-                kseg = tl.load(kseg_ptr + cols)
-                visible = visible & (qseg[:, None] == kseg[None, :])
-            s2 = tl.where(visible, s2, float("-inf"))
-        # Online softmax; a row whose running max is still -inf uses 0 as its reference so that
-        # exp2(-inf - ref) = 0 instead of NaN.
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s2 - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if DROPOUT:
-            keep = dropout_keep(seed, drop_row0, drop_rows, k_off + cols, S_mem, dropout_p)
-            p = tl.where(keep, p, 0.0)
-        if MASKED:
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=col_valid[:, None] & dv_mask[None, :],
-                        other=0.0)
-        else:
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=dv_mask[None, :], other=0.0)
-        if v.dtype == tl.float32:
-            acc = tl.dot(p, v, acc, input_precision="tf32x3")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+            acc, l_i, m_i = _fwd_block(
+                acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
+                row_lo, row_hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+                MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _fwd_stages(
-    acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-    stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+    acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
+    stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
     lo, mid_lo, mid_hi, hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SEG_CHECK: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SKIP: tl.constexpr,
 ):
     """Key blocks [lo, mid_lo) masked | [mid_lo, mid_hi) fully visible | [mid_hi, hi) masked.
 
     SEG_CHECK compares segment ids element by element in every stage.
     """
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
+        stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         lo, tl.minimum(mid_lo, hi), S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
-        True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+        True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
+        stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         tl.maximum(mid_lo, lo), tl.minimum(mid_hi, hi), S, scale, softcap, seed, drop_row0, drop_rows, k_off,
-        S_mem, dropout_p, False, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+        S_mem, dropout_p, False, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
+        stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         tl.maximum(mid_hi, lo), hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
-        True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+        True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
     return acc, l_i, m_i
 
 
@@ -221,8 +254,13 @@ def flash_fwd_kernel(
     HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
+    Vis=None, stride_tb=0, stride_th=0, stride_tm=0, stride_tn=0, BLOCK_SKIP: tl.constexpr = False,
 ):
     """Flash-attention forward; grid (cdiv(L, BLOCK_M), B * Hq). See FLASH_CONTRACT.md.
+
+    With BLOCK_SKIP, Vis is the int8 block-visibility table (B|1, Hq|1, cdiv(L, BLOCK_M)|1,
+    cdiv(S, BLOCK_N)|1) with element strides stride_t*, 0 where a (query block, key block) tile is
+    fully masked by the bool mask or a -inf bias; such tiles are skipped.
 
     With VARLEN the grid is (cdiv(max_seqlen_q, BLOCK_M), N * Hq) for N packed sequences and the
     memory batch is 1; L and S are then the packed lengths.
@@ -338,6 +376,9 @@ def flash_fwd_kernel(
     seed = 0
     if DROPOUT:
         seed = load_seed(Seed)
+    vis_ptr = Vis
+    if BLOCK_SKIP:
+        vis_ptr = Vis + b64 * stride_tb + h64 * stride_th + pid_m * stride_tm
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_SINKS:
@@ -351,22 +392,22 @@ def flash_fwd_kernel(
     if HAS_SEGMENTS:
         if simple:
             acc, l_i, m_i = _fwd_stages(
-                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
+                stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
                 lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
-                dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+                dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
         else:
             acc, l_i, m_i = _fwd_stages(
-                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
+                stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
                 lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
-                dropout_p, HAS_BIAS, HAS_MASK, True, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+                dropout_p, HAS_BIAS, HAS_MASK, True, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
     else:
         acc, l_i, m_i = _fwd_stages(
-            acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-            stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+            acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
+            stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
             lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
-            dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+            dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -43,6 +44,9 @@ class FlashConfig:
     varlen: Optional[tuple[int, int]] = None
     varlen_bottom_right: bool = False  # per-sequence bottom-right alignment (varlen only)
     fast_tanh: bool = False  # hardware tanh for the soft cap (NVIDIA; 16-bit inputs only)
+    # Skip (query block, key block) tiles that the bool mask or a -inf bias masks entirely, from a
+    # block-visibility table built in JAX (`visibility_tiles`); not used with varlen.
+    skip_masked_blocks: bool = True
 
 
 class FlashExtras(NamedTuple):
@@ -104,7 +108,7 @@ def _bhls_strides(x: Optional[jax.Array]) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _fwd_entry(
-    Q, K, V, Bias, Mask, Sinks, SegQ, SegK, CuQ, CuK, Seed, Out, Lse,
+    Q, K, V, Bias, Mask, Sinks, SegQ, SegK, CuQ, CuK, Seed, Vis, Out, Lse,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -119,6 +123,7 @@ def _fwd_entry(
     BLOCK_DV: tl.constexpr,
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
+    stb: tl.constexpr, sth: tl.constexpr, stm: tl.constexpr, stn: tl.constexpr, BLOCK_SKIP: tl.constexpr,
 ):
     flash_fwd_kernel(
         Q, K, V, Bias, Mask, Sinks, Out, Lse,
@@ -127,12 +132,13 @@ def _fwd_entry(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, HAS_SINKS, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
+        Vis, stb, sth, stm, stn, BLOCK_SKIP,
     )
 
 
 @triton.jit
 def _dkdv_entry(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, dK, dV,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, dK, dV,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -148,6 +154,7 @@ def _dkdv_entry(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
+    stb: tl.constexpr, sth: tl.constexpr, stm: tl.constexpr, stn: tl.constexpr, BLOCK_SKIP: tl.constexpr,
 ):
     flash_bwd_dkdv_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
@@ -157,12 +164,13 @@ def _dkdv_entry(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
+        Vis, stb, sth, stm, stn, BLOCK_SKIP,
     )
 
 
 @triton.jit
 def _dq_entry(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, dQ, dS,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, dQ, dS,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -179,6 +187,7 @@ def _dq_entry(
     BLOCK_DV: tl.constexpr,
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
+    stb: tl.constexpr, sth: tl.constexpr, stm: tl.constexpr, stn: tl.constexpr, BLOCK_SKIP: tl.constexpr,
 ):
     flash_bwd_dq_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
@@ -188,6 +197,7 @@ def _dq_entry(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
+        Vis, stb, sth, stm, stn, BLOCK_SKIP,
     )
 
 
@@ -217,6 +227,65 @@ def dropout_keep_mask(seed: jax.Array, bh: int, l: int, s: int, dropout_p: float
         BH=bh, L=l, S=s, dropout_p=float(dropout_p), BLOCK_M=32, BLOCK_N=64,
     )
     return keep != 0
+
+
+def _fold(x: jax.Array, axis: int, tile: int) -> jax.Array:
+    """Max over consecutive groups of `tile` along `axis` (zero-padded); size-1 axes stay (broadcast)."""
+    n = x.shape[axis]
+    if n == 1 or tile == 1:
+        return x
+    blocks = -(-n // tile)
+    pad = [(0, blocks * tile - n if i == axis else 0) for i in range(x.ndim)]
+    x = jnp.pad(x, pad)
+    return jnp.max(x.reshape(x.shape[:axis] + (blocks, tile) + x.shape[axis + 1:]), axis=axis + 1)
+
+
+def visibility_tiles(bias: Optional[jax.Array], mask: Optional[jax.Array],
+                     tile: tuple[int, int]) -> jax.Array:
+    """Which (tile_m x tile_n) tiles of the logits the bool mask and the bias leave visible.
+
+    Args:
+        bias: None or float (B|1, Hq|1, L|1, S|1); -inf masks an element (NaN does not).
+        mask: None or int8 (B|1, Hq|1, L|1, S|1), nonzero = attend.
+        tile: (tile_m, tile_n).
+
+    Returns:
+        int8 (B|1, Hq|1, cdiv(L, tile_m)|1, cdiv(S, tile_n)|1): 1 where some element of the tile is
+        visible; a dim of size 1 in the inputs stays size 1 (it broadcasts). The causal / window /
+        segment rules are not part of it (the kernels apply them separately).
+    """
+    vis = None
+    if mask is not None:
+        vis = mask != 0
+    if bias is not None:
+        finite = bias != -jnp.inf
+        vis = finite if vis is None else vis & finite
+    vis = _fold(_fold(vis.astype(jnp.int8), 2, tile[0]), 3, tile[1])
+    return vis
+
+
+def _skip_tiles(q, v, bias, mask, cfg: FlashConfig) -> Optional[tuple[tuple[int, int], jax.Array]]:
+    """(fine tile, its visibility table) when the kernels should skip masked tiles, else None.
+
+    The fine tile divides the tiles of the forward and both backward kernels, so each kernel's
+    table is one `_fold` of it away (`_tile_table`).
+    """
+    if not cfg.skip_masked_blocks or (bias is None and mask is None) or cfg.varlen is not None:
+        return None
+    d, dv = _dims(q, cfg.layout)[3], _dims(v, cfg.layout)[3]
+    fwd = cfg.fwd_tiles or fwd_block_sizes(d, dv, jnp.dtype(q.dtype).itemsize)
+    kv, dq = cfg.bwd_tiles or bwd_tiles(d, q.dtype)
+    tile = (math.gcd(fwd[0], kv[0], dq[0]), math.gcd(fwd[1], kv[1], dq[1]))
+    return tile, visibility_tiles(bias, mask, tile)
+
+
+def _tile_table(skip, block_m: int, block_n: int) -> tuple[jax.Array, dict]:
+    """The visibility table at (block_m, block_n) tiles and its kernel arguments (Vis, strides)."""
+    if skip is None:
+        return _placeholder(jnp.int8), dict(stb=0, sth=0, stm=0, stn=0, BLOCK_SKIP=False)
+    (tm, tn), fine = skip
+    table = _fold(_fold(fine, 2, block_m // tm), 3, block_n // tn)
+    return table, dict(zip(("stb", "sth", "stm", "stn"), _strides(table.shape, "BHTD")), BLOCK_SKIP=True)
 
 
 def _placeholder(dtype=jnp.float32) -> jax.Array:
@@ -306,7 +375,7 @@ def _grid_rows(meta: dict, extras: FlashExtras, cfg: FlashConfig, which: str) ->
     return min(int(bound), full), n * heads
 
 
-def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, cfg: FlashConfig):
+def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, cfg: FlashConfig):
     import jax_triton as jt
 
     meta = _common(q, k, v, bias, mask, extras, cfg)
@@ -318,17 +387,18 @@ def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, cfg: F
     rows, programs = _grid_rows(meta, extras, cfg, "q")
     if cfg.varlen is None:
         programs *= b
+    vis, vis_args = _tile_table(skip, block_m, block_n)
     out, lse = jt.triton_call(
         q, k, v,
         bias if bias is not None else _placeholder(q.dtype),
         mask if mask is not None else _placeholder(jnp.int8),
         sinks if sinks is not None else _placeholder(),
-        *_extra_inputs(extras, seg_tables),
+        *_extra_inputs(extras, seg_tables), vis,
         kernel=_fwd_entry,
         out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
         grid=(triton.cdiv(rows, block_m), programs),
         num_warps=num_warps, num_stages=num_stages,
-        HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, **meta,
+        HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, **meta, **vis_args,
     )
     if cfg.varlen is not None:  # rows after the last sequence belong to no program
         valid = jnp.arange(l) < extras.cu_seqlens[0][-1]
@@ -337,7 +407,7 @@ def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, cfg: F
     return out, lse
 
 
-def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_tables, cfg: FlashConfig,
+def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_tables, skip, cfg: FlashConfig,
               write_ds: bool):
     import jax_triton as jt
 
@@ -355,24 +425,26 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_ta
     q_rows, q_programs = _grid_rows(meta, extras, cfg, "q")
     if cfg.varlen is None:
         k_programs, q_programs = k_programs * b, q_programs * b
+    kv_vis, kv_vis_args = _tile_table(skip, kv_m, kv_n)
     dk, dv = jt.triton_call(
-        q, k, v, *placeholders, dout, lse, delta, *extra_inputs,
+        q, k, v, *placeholders, dout, lse, delta, *extra_inputs, kv_vis,
         kernel=_dkdv_entry,
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(triton.cdiv(k_rows, kv_n), k_programs),
         num_warps=kv_warps, num_stages=kv_stages,
-        BLOCK_M=kv_m, BLOCK_N=kv_n, **meta, **do_strides,
+        BLOCK_M=kv_m, BLOCK_N=kv_n, **meta, **do_strides, **kv_vis_args,
         **dict(zip(("sdkb", "sdkh", "sdkn", "sdkd"), _strides(k.shape, cfg.layout))),
         **dict(zip(("sdvb", "sdvh", "sdvn", "sdvd"), _strides(v.shape, cfg.layout))),
     )
     ds_shape = (b, hq, l, s) if write_ds else (1,)
+    q_vis, q_vis_args = _tile_table(skip, q_m, q_n)
     dq, ds = jt.triton_call(
-        q, k, v, *placeholders, dout, lse, delta, *extra_inputs,
+        q, k, v, *placeholders, dout, lse, delta, *extra_inputs, q_vis,
         kernel=_dq_entry,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
         grid=(triton.cdiv(q_rows, q_m), q_programs),
         num_warps=q_warps, num_stages=q_stages,
-        WRITE_DS=write_ds, BLOCK_M=q_m, BLOCK_N=q_n, **meta, **do_strides,
+        WRITE_DS=write_ds, BLOCK_M=q_m, BLOCK_N=q_n, **meta, **do_strides, **q_vis_args,
         **dict(zip(("sdqb", "sdqh", "sdqm", "sdqd"), _strides(q.shape, cfg.layout))),
         **dict(zip(("sdsb", "sdsh", "sdsm", "sdsn"), _strides((b, hq, l, s), "BHTD") if write_ds else (0, 0, 0, 0))),
     )
@@ -417,24 +489,26 @@ def flash_attention_triton(q, k, v, bias, mask, sinks, extras: FlashExtras, cfg:
     Returns:
         out in q's layout and dtype, lse (B, Hq, L) float32 (-inf on rows that see nothing).
     """
-    return _forward(q, k, v, bias, mask, sinks, extras, _seg_tables(extras), cfg)
+    skip = _skip_tiles(q, v, bias, mask, cfg)
+    return _forward(q, k, v, bias, mask, sinks, extras, _seg_tables(extras), skip, cfg)
 
 
 def _vjp_fwd(q, k, v, bias, mask, sinks, extras, cfg):
     seg_tables = _seg_tables(extras)
-    out, lse = _forward(q, k, v, bias, mask, sinks, extras, seg_tables, cfg)
-    return (out, lse), (q, k, v, bias, mask, sinks, extras, seg_tables, out, lse)
+    skip = _skip_tiles(q, v, bias, mask, cfg)
+    out, lse = _forward(q, k, v, bias, mask, sinks, extras, seg_tables, skip, cfg)
+    return (out, lse), (q, k, v, bias, mask, sinks, extras, seg_tables, skip, out, lse)
 
 
 def _vjp_bwd(cfg, residuals, cotangents):
-    q, k, v, bias, mask, sinks, extras, seg_tables, out, lse = residuals
+    q, k, v, bias, mask, sinks, extras, seg_tables, skip, out, lse = residuals
     dout, dlse = cotangents
     # Delta = rowsum(dO * O) in fp32, minus the LSE cotangent (d lse / d logit = P).
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     if cfg.layout == "BTHD":
         delta = jnp.swapaxes(delta, 1, 2)
     delta = delta - dlse
-    dq, dk, dv, ds = _backward(q, k, v, bias, mask, dout, lse, delta, extras, seg_tables, cfg,
+    dq, dk, dv, ds = _backward(q, k, v, bias, mask, dout, lse, delta, extras, seg_tables, skip, cfg,
                                write_ds=bias is not None)
     dbias = None if bias is None else _reduce_to(ds, bias.shape).astype(bias.dtype)
     dsinks = None

@@ -1,0 +1,179 @@
+"""Tiles that a bool mask or a -inf bias masks entirely are skipped by the flash kernels.
+
+The GPU path (JAX wrapper, custom VJP, entry kernels, Triton kernels) runs here under Triton's
+interpreter through the jax-triton stand-in (compiled on a CUDA machine with jax-triton). The
+oracle is the float64 reference of tests/attention_reference.py. Skipping is proven by poison:
+keys, values or queries inside fully masked tiles are NaN, which any computed tile would spread
+(0 * NaN = NaN in P @ V and in dS^T @ Q).
+"""
+
+import importlib.util
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import jax_triton_interpret  # noqa: E402
+from attention_reference import reference  # noqa: E402
+
+from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
+
+ON_GPU = (torch.cuda.is_available() and jax.default_backend() == "gpu"
+          and importlib.util.find_spec("jax_triton") is not None)
+TILE = 64  # every float32 tile of the kernels at head dim <= 64 is a multiple of this (CPU and H100)
+
+
+@pytest.fixture(autouse=True)
+def interpreted_jax_triton(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+
+
+def _j(t, dtype=np.float32):
+    return jnp.asarray(t.numpy().astype(dtype))
+
+
+def _t(x):
+    return torch.from_numpy(np.asarray(x, dtype=np.float64))
+
+
+def _flash(q, k, v, cot, *, bias=None, mask=None, cfg):
+    """Out, lse and (dq, dk, dv, dbias) of sum(out * cot) through the flash kernels (BHTD)."""
+    mask_j = None if mask is None else _j(mask, np.int8)
+    bias_j = None if bias is None else _j(bias)
+    cot_j = _j(cot)
+
+    def loss(q, k, v, bias):
+        out, lse = fj.flash_attention_triton(q, k, v, bias, mask_j, None, fj.FlashExtras(), cfg)
+        return jnp.sum(jnp.where(jnp.isnan(out), 0.0, out) * cot_j), (out, lse)
+
+    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(_j(q), _j(k), _j(v), bias_j)
+    return _t(out), _t(lse), [None if g is None else _t(g) for g in grads]
+
+
+def _reference(q, k, v, cot, *, bias=None, mask=None, **kw):
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    b = None if bias is None else bias.clone().requires_grad_(True)
+    out, lse = reference(*leaves, bias=b, mask=mask, **kw)
+    (out.nan_to_num(0.0) * cot).sum().backward()
+    return out.detach(), lse.detach(), [x.grad for x in leaves] + [None if b is None else b.grad]
+
+
+def _close(name, got, want, tol=2e-4):
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite pattern differs"
+    err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+    assert err <= tol * max(1.0, want[finite].abs().max().item()), f"{name}: max error {err}"
+
+
+def _tile_mask(gen, shape, l, s, p_visible):
+    """A bool (*shape, l, s) mask constant on TILE x TILE tiles, about p_visible of them visible."""
+    tiles = torch.rand(*shape, -(-l // TILE), -(-s // TILE), generator=gen) < p_visible
+    return tiles.repeat_interleave(TILE, -2).repeat_interleave(TILE, -1)[..., :l, :s]
+
+
+# ------------------------------------------------------------------------------------------- table
+
+
+def test_visibility_tiles_table():
+    mask = np.zeros((1, 1, 5, 6), np.int8)
+    mask[0, 0, 0, 5] = 1   # tile (0, 1)
+    mask[0, 0, 4, 0] = 1   # tile (2, 0): the padded last row block
+    bias = np.zeros((2, 1, 1, 6), np.float32)
+    bias[1, 0, 0, :4] = -np.inf  # batch 1: keys 0-3 masked by the bias
+    bias[0, 0, 0, 4] = np.nan    # NaN is not masked
+    table = fj.visibility_tiles(None, jnp.asarray(mask), (2, 4))
+    np.testing.assert_array_equal(table[0, 0], [[0, 1], [0, 0], [1, 0]])
+    both = fj.visibility_tiles(jnp.asarray(bias), jnp.asarray(mask), (2, 4))
+    assert both.shape == (2, 1, 3, 2)
+    np.testing.assert_array_equal(both[0, 0], [[0, 1], [0, 0], [1, 0]])
+    np.testing.assert_array_equal(both[1, 0], [[0, 1], [0, 0], [0, 0]])
+    only_bias = fj.visibility_tiles(jnp.asarray(bias), None, (2, 4))
+    assert only_bias.shape == (2, 1, 1, 2)  # broadcast query dim stays broadcast
+    np.testing.assert_array_equal(only_bias[:, 0, 0], [[1, 1], [0, 1]])
+
+
+# ---------------------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_sparse_mask_with_gqa(causal):
+    gen = torch.Generator().manual_seed(11 + causal)
+    B, Hq, Hk, L, S, D = 2, 4, 2, 150, 229, 32
+    q, k, v = (torch.randn(B, h, n, D, generator=gen, dtype=torch.float64) for h, n in ((Hq, L), (Hk, S), (Hk, S)))
+    cot = torch.randn(B, Hq, L, D, generator=gen, dtype=torch.float64)
+    mask = _tile_mask(gen, (B, Hq), L, S, 0.45)
+    mask[0, 1, :70] = False  # fully masked rows: out 0, lse -inf
+    cfg = fj.FlashConfig(scale=D ** -0.5, causal=causal, diag_offset=S - L)
+    out, lse, grads = _flash(q, k, v, cot, mask=mask, cfg=cfg)
+    r_out, r_lse, r_grads = _reference(q, k, v, cot, mask=mask, causal=causal, alignment="bottom_right")
+    _close("out", out, r_out.nan_to_num(0.0))
+    _close("lse", lse, r_lse)
+    for name, g, rg in zip("qkv", grads, r_grads):
+        _close(f"d{name}", g, rg)
+
+
+def test_masked_key_tiles_are_not_read():
+    gen = torch.Generator().manual_seed(5)
+    B, H, L, S, D = 1, 2, 97, 200, 48
+    q, k, v = (torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) for n in (L, S, S))
+    cot = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64)
+    mask = torch.rand(B, 1, 1, S, generator=gen) < 0.7  # broadcast over heads and queries
+    mask[..., TILE:2 * TILE] = False  # one whole key tile masked for every query
+    cfg = fj.FlashConfig(scale=D ** -0.5)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, TILE:2 * TILE] = float("nan")
+    v_bad[:, :, TILE:2 * TILE] = float("nan")
+    out, lse, (dq, dk, dv, _) = _flash(q, k_bad, v_bad, cot, mask=mask, cfg=cfg)
+    r_out, r_lse, (r_dq, r_dk, r_dv, _) = _reference(q, k, v, cot, mask=mask)
+    _close("out", out, r_out)
+    _close("lse", lse, r_lse)
+    _close("dq", dq, r_dq)
+    _close("dk", dk, r_dk)  # the poisoned tile's gradient is exactly 0
+    _close("dv", dv, r_dv)
+
+
+def test_masked_query_tiles_are_not_read_in_backward():
+    gen = torch.Generator().manual_seed(6)
+    B, H, L, S, D = 2, 2, 190, 130, 40
+    q, k, v = (torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) for n in (L, S, S))
+    cot = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64)
+    mask = torch.ones(B, 1, L, 1, dtype=torch.bool)  # per-row mask, broadcast over keys
+    mask[:, :, TILE:2 * TILE] = False
+    q_bad = q.clone()
+    q_bad[:, :, TILE:2 * TILE] = float("nan")
+    out, lse, (dq, dk, dv, _) = _flash(q_bad, k, v, cot, mask=mask, cfg=fj.FlashConfig(scale=D ** -0.5))
+    r_out, r_lse, (r_dq, r_dk, r_dv, _) = _reference(q, k, v, cot, mask=mask.expand(B, 1, L, S))
+    _close("out", out, r_out.nan_to_num(0.0))  # fully masked rows give 0
+    _close("lse", lse, r_lse)
+    _close("dq", dq, r_dq)
+    _close("dk", dk, r_dk)
+    _close("dv", dv, r_dv)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_minus_inf_bias_tiles_and_bias_gradient(with_mask):
+    gen = torch.Generator().manual_seed(7 + with_mask)
+    B, H, L, S, D = 1, 3, 140, 170, 32
+    q, k, v = (torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) for n in (L, S, S))
+    cot = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64)
+    bias = torch.randn(1, H, L, S, generator=gen, dtype=torch.float64)
+    bias = bias.masked_fill(~_tile_mask(gen, (1, H), L, S, 0.6), float("-inf"))
+    mask = _tile_mask(gen, (B, 1), L, S, 0.8) if with_mask else None
+    cfg = fj.FlashConfig(scale=D ** -0.5, causal=True)
+    out, lse, (dq, dk, dv, dbias) = _flash(q, k, v, cot, bias=bias, mask=mask, cfg=cfg)
+    # The reference masks the -inf elements instead of adding them (the same attention, without
+    # autograd's NaN from rows whose every logit is -inf); their bias gradient is 0.
+    finite = torch.isfinite(bias)
+    r_mask = finite if mask is None else finite & mask
+    r_out, r_lse, (r_dq, r_dk, r_dv, r_dbias) = _reference(q, k, v, cot, bias=bias.nan_to_num(0.0, 0.0, 0.0),
+                                                           mask=r_mask, causal=True)
+    _close("out", out, r_out.nan_to_num(0.0))
+    _close("lse", lse, r_lse)
+    for name, g, rg in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), (r_dq, r_dk, r_dv, r_dbias)):
+        _close(name, g, rg)
