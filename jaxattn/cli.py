@@ -1,4 +1,4 @@
-"""The `jaxattn` command: `jaxattn --version`, `jaxattn doctor`."""
+"""The `jaxattn` command: `jaxattn --version`, `jaxattn doctor`, `jaxattn bench`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import platform
 import sys
 from typing import Optional, Sequence
 
+from . import bench
 from ._version import __version__
 
 
@@ -54,9 +55,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--version", action="version", version=f"jaxattn {__version__}")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("doctor", help="versions, devices and which implementations can run here")
+    bench.add_arguments(sub.add_parser("bench", help=bench.HELP, description=bench.__doc__,
+                                       formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return doctor()
+    if args.command == "bench":
+        return bench.main(args)
     parser.print_help()
     return 0
 

@@ -1,0 +1,124 @@
+"""PNG plots of `jaxattn bench` rows (matplotlib, imported here only: ImportError when it is absent).
+
+    tflops_vs_seqlen.png    TFLOP/s against sequence length per implementation (the "sweep" cases),
+                            one panel per dtype and mode
+    small_call_latency.png  µs per call of the small calls, bars per implementation (log scale)
+    decode_gbps.png         GB/s of the decode cases, bars per implementation
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ok(rows, pred):
+    return [r for r in rows if r["status"] == "ok" and pred(r)]
+
+
+def _style(impl: str) -> dict:
+    return {"linestyle": "--" if impl.startswith("torch-") else "-", "marker": "o", "markersize": 4}
+
+
+def _title(meta: dict, what: str) -> str:
+    return f"{what} — {meta.get('device_name', meta.get('device'))}, {meta.get('date')}"
+
+
+def plot_sweep(rows: Sequence[dict], meta: dict, path: str) -> bool:
+    """TFLOP/s against L for the "sweep" cases; False when there are none."""
+    picked = _ok(rows, lambda r: r["group"] == "sweep")
+    if not picked:
+        return False
+    plt = _pyplot()
+    dtypes = list(dict.fromkeys(r["dtype"] for r in picked))
+    modes = list(dict.fromkeys(r["mode"] for r in picked))
+    fig, axes = plt.subplots(len(dtypes), len(modes), figsize=(5.5 * len(modes), 4 * len(dtypes)), squeeze=False)
+    for i, dtype in enumerate(dtypes):
+        for j, mode in enumerate(modes):
+            ax = axes[i][j]
+            cell = [r for r in picked if r["dtype"] == dtype and r["mode"] == mode]
+            for impl in dict.fromkeys(r["impl"] for r in cell):
+                pts = sorted((r["q_len"], r["tflops"]) for r in cell if r["impl"] == impl)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=impl, **_style(impl))
+            ax.set_xscale("log", base=2)
+            lengths = sorted({r["q_len"] for r in cell})
+            ax.set_xticks(lengths)
+            ax.set_xticklabels([str(n) for n in lengths], fontsize=7)
+            ax.minorticks_off()
+            ax.set_xlabel("sequence length L = S")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_title(f"{SHORT.get(dtype, dtype)} {mode}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    sample = picked[0]
+    fig.suptitle(_title(meta, f"causal, H={sample['q_heads']}, D={sample['head_dim']}, B·L constant"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def _bars(rows: Sequence[dict], meta: dict, path: str, value: str, ylabel: str, log: bool, what: str) -> bool:
+    if not rows:
+        return False
+    plt = _pyplot()
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    groups = list(dict.fromkeys((r["case"], r["mode"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(max(6.0, 1.1 * len(groups) * len(impls) / 2 + 2) * len(dtypes),
+                                                      4.2), squeeze=False)
+    width = 0.8 / len(impls)
+    for ax, dtype in zip(axes[0], dtypes):
+        for k, impl in enumerate(impls):
+            xs, ys = [], []
+            for g, (case, mode) in enumerate(groups):
+                hit = [r for r in rows if r["dtype"] == dtype and r["impl"] == impl and (r["case"], r["mode"]) ==
+                       (case, mode)]
+                if hit:
+                    xs.append(g + (k - (len(impls) - 1) / 2) * width)
+                    ys.append(hit[0][value])
+            ax.bar(xs, ys, width, label=impl, hatch="//" if impl.startswith("torch-") else None)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{c}\n{m}" for c, m in groups], fontsize=7)
+        if log:
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+        ax.set_title(SHORT.get(dtype, dtype))
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(_title(meta, what), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def write_plots(rows: Sequence[dict], meta: dict, out_dir: str) -> list[str]:
+    """Writes the plots that have data into `out_dir`; returns their file names.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    _pyplot()
+    written = []
+    if plot_sweep(rows, meta, os.path.join(out_dir, "tflops_vs_seqlen.png")):
+        written.append("tflops_vs_seqlen.png")
+    small = _ok(rows, lambda r: r["group"] == "small")
+    if _bars(small, meta, os.path.join(out_dir, "small_call_latency.png"), "time_us", "µs per call (log)", True,
+             "small calls"):
+        written.append("small_call_latency.png")
+    decode = _ok(rows, lambda r: r["decode"])
+    if _bars(decode, meta, os.path.join(out_dir, "decode_gbps.png"), "gbps", "GB/s", False, "decode"):
+        written.append("decode_gbps.png")
+    return written
