@@ -1,0 +1,239 @@
+"""Hugging Face transformers integration: jaxattn as an `attn_implementation`.
+
+    >>> from jaxattn.torch_api import register_transformers
+    >>> register_transformers()                         # registers "jaxattn"
+    >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="jaxattn")
+    >>> model.set_attn_implementation("jaxattn")        # or switch an existing model
+
+`register_transformers` adds two entries under the same name: the attention function to
+`transformers.AttentionInterface` and, to `transformers.AttentionMaskInterface`, the mask function
+transformers uses for its own "sdpa" (a (B, 1, L, S) boolean mask, True = attend, or None when
+`is_causal` alone describes the call). Without the mask entry transformers would build no mask at
+all for an unknown implementation, and padding would be attended silently.
+
+What the attention function does with the keyword arguments models pass:
+    dropout, scaling, is_causal     as transformers' "sdpa" does.
+    softcap (Gemma 2 and others)    logits soft cap, computed by jaxattn (transformers' "sdpa" cannot).
+    s_aux (gpt-oss)                 per-head attention sink logits, differentiable.
+    sliding_window                  already part of the mask built by the registered mask function;
+                                    without a mask and with more keys than the window, the query
+                                    positions are unknown and the call raises.
+    position_ids, use_cache, ...    (`NO_EFFECT_KWARGS`) carry nothing the attention needs: positions
+                                    are already applied to q/k, and padding and packed sequences are
+                                    in the mask.
+    anything else                   raises TypeError naming it, unless its value is None or False.
+
+transformers is an optional dependency (extra `hf`); this module imports it only inside
+`register_transformers`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from ..bridge import jax_op
+from ..jax_core import AttentionMetadata, attention
+from .sdpa import scaled_dot_product_attention
+from .selection import current_implementation, normalize_choice
+from .validation import AttentionInputError, check_finite, check_qkv
+
+DEFAULT_NAME = "jaxattn"
+
+#: Keyword arguments transformers' models pass to attention functions that need no handling here.
+NO_EFFECT_KWARGS = frozenset({
+    "position_ids",  # rotary positions are applied to q/k before the call
+    "cache_position", "past_key_values", "past_key_value", "use_cache",  # the cache is updated before the call
+    "output_hidden_states", "return_dict", "num_items_in_batch", "output_router_logits",
+    # flash-attn's description of packed sequences; the mask function derives the same packing from
+    # position_ids, so they are accepted only together with a mask (checked below)
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+})
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+@jax_op(name="jaxattn.hf_attention")
+def _features_jax(query, key, value, attn_mask, sinks, seed, *, causal, scale, softcap, dropout_p, implementation,
+                  platform):
+    """(B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev) arrays, soft cap and/or sinks -> (B, Hq, L, Ev)."""
+    is_bool = attn_mask is not None and attn_mask.dtype == jnp.bool_
+    rng = None if seed is None else jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+    out = attention(
+        query, key, value, bias=None if is_bool else attn_mask, mask=attn_mask if is_bool else None, causal=causal,
+        logits_soft_cap=softcap, softmax_aux=sinks, dropout_rng=rng, implementation=implementation, layout="BHTD",
+        metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
+    )
+    return out.attention_outputs
+
+
+def _check_extra_kwargs(kwargs: dict[str, Any], attention_mask: Optional[torch.Tensor]) -> None:
+    for name, value in kwargs.items():
+        if name in NO_EFFECT_KWARGS or value is None or value is False:
+            continue
+        if name == "output_attentions":
+            raise NotImplementedError(
+                "output_attentions=True: the jaxattn attention function does not return attention weights "
+                "(load the model with attn_implementation='eager' to get them)."
+            )
+        raise TypeError(
+            f"{name}={_short(value)}: the jaxattn attention function does not support this keyword argument "
+            "(its meaning would be lost); use attn_implementation='eager' or 'sdpa' for this model, or ask for "
+            "the feature in jaxattn."
+        )
+    if attention_mask is None and any(kwargs.get(n) is not None for n in _PACKING_KWARGS):
+        raise AttentionInputError(
+            "cu_seq_lens_q/cu_seq_lens_k: packed sequences without an attention mask; the jaxattn attention "
+            "function takes packing from the mask its registered mask function builds (from position_ids). "
+            "Register both with register_transformers() and pass position_ids."
+        )
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor of shape {tuple(value.shape)}, dtype {value.dtype}>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def make_attention_function(implementation: Union[None, str, Sequence[str]] = None) -> Callable:
+    """The attention function transformers calls for a jaxattn `attn_implementation`.
+
+    Args:
+        implementation: the JAX implementation(s) to run (see `scaled_dot_product_attention`);
+            None: the `sdpa_implementation` context's choice, else automatic selection.
+
+    Returns:
+        `f(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+        sliding_window=None, softcap=None, s_aux=None, **kwargs) -> (output, None)` with query
+        (B, Hq, L, E), key (B, Hk, S, E), value (B, Hk, S, Ev), attention_mask None or
+        broadcastable to (B, Hq, L, S) (bool, True = attend, or additive float), and output
+        (B, L, Hq, Ev), contiguous. Extra keyword arguments follow the module docstring's rules.
+    """
+    fixed = normalize_choice(implementation) if implementation is not None else None
+
+    def jaxattn_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        dropout: float = 0.0,
+        scaling: Optional[float] = None,
+        is_causal: Optional[bool] = None,
+        sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
+        s_aux: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        _check_extra_kwargs(kwargs, attention_mask)
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise AttentionInputError(f"{name}: expected a (B, H, L, E) tensor, got {_short(t)}.")
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if sliding_window is not None and attention_mask is None and kv_len > sliding_window:
+            raise AttentionInputError(
+                f"sliding_window={sliding_window} with attention_mask=None and {kv_len} keys: the window's query "
+                "positions are unknown without a mask. Register the jaxattn mask function (register_transformers() "
+                "does) so that transformers builds the sliding-window mask, or pass a 4-D mask."
+            )
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        # As transformers' sdpa: a mask, when given, already holds causality; one query sees every key.
+        causal = bool(causal) and q_len > 1 and attention_mask is None
+        choice = fixed if fixed is not None else current_implementation()
+        gqa = key.shape[1] != query.shape[1]
+        if softcap is None and s_aux is None:
+            out = scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
+                enable_gqa=gqa, implementation=choice,
+            )
+        else:
+            out = _with_features(query, key, value, attention_mask, s_aux, causal=causal, scale=scaling,
+                                 softcap=softcap, dropout_p=dropout, implementation=choice)
+        return out.transpose(1, 2).contiguous(), None
+
+    jaxattn_attention_forward.implementation = fixed
+    return jaxattn_attention_forward
+
+
+def _with_features(query, key, value, mask, sinks, *, causal, scale, softcap, dropout_p, implementation):
+    """Soft cap and/or sinks on (B, Hq, L, E) / (B, Hk, S, E|Ev) tensors -> (B, Hq, L, Ev)."""
+    check_qkv(query, key, value, enable_gqa=True)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise AttentionInputError(f"softcap={softcap!r}: expected a positive float or None.")
+    hq = query.shape[1]
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() not in (1, 2) or sinks.shape[0] != hq:
+            raise AttentionInputError(f"s_aux: expected a (Hq,) or (Hq, n) tensor with Hq={hq}, got {_short(sinks)}.")
+        if not sinks.dtype.is_floating_point or sinks.device != query.device:
+            raise AttentionInputError(
+                f"s_aux: expected a float tensor on {query.device}, got {sinks.dtype} on {sinks.device}."
+            )
+    if mask is not None:
+        want = (query.shape[0], hq, query.shape[2], key.shape[2])
+        ok = mask.dim() == 4 and all(m in (1, w) for m, w in zip(mask.shape, want))
+        if not ok:
+            raise AttentionInputError(
+                f"attention_mask: shape {tuple(mask.shape)} does not broadcast to (B, Hq, L, S) = {want}."
+            )
+        if mask.dtype != torch.bool and mask.dtype != query.dtype:
+            raise AttentionInputError(
+                f"attention_mask: dtype {mask.dtype}; expected bool or the query's {query.dtype} (additive)."
+            )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise AttentionInputError(f"dropout={dropout_p!r}: expected a float in [0, 1).")
+    check_finite({"query": query, "key": key, "value": value})
+    seed = None
+    if dropout_p > 0:
+        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=query.device)
+    return _features_jax(
+        query, key, value, mask, sinks, seed, causal=causal, scale=None if scale is None else float(scale),
+        softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
+        implementation=implementation, platform="cpu" if query.device.type == "cpu" else "gpu",
+    )
+
+
+def register_transformers(name: str = DEFAULT_NAME, implementation: Union[None, str, Sequence[str]] = None) -> str:
+    """Registers jaxattn with transformers as `attn_implementation=name`.
+
+    Adds the attention function (`make_attention_function(implementation)`) to
+    `transformers.AttentionInterface` and transformers' own "sdpa" mask function to
+    `transformers.AttentionMaskInterface`, both under `name`. Calling it again replaces both.
+
+    Args:
+        name: the `attn_implementation` string to register.
+        implementation: JAX implementation(s) the function runs; None selects automatically.
+            Register several names to compare implementations, e.g.
+            `register_transformers("jaxattn_vanilla", "vanilla")`.
+
+    Returns:
+        `name`, to pass as `attn_implementation`.
+
+    Raises:
+        ImportError: transformers is not installed (`pip install "jaxattn[hf]"`), or it has no
+            AttentionInterface / AttentionMaskInterface (transformers >= 4.56 has both).
+        ValueError: `name` is one of transformers' own implementations, or `implementation` is unknown.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name={name!r}: expected a non-empty str.")
+    try:
+        import transformers
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    except ImportError as exc:
+        raise ImportError(
+            "register_transformers needs transformers with AttentionInterface and AttentionMaskInterface "
+            f"(>= 4.56): {exc}. Install it with pip install 'jaxattn[hf]'."
+        ) from exc
+    if not hasattr(transformers, "AttentionInterface") or not hasattr(transformers, "AttentionMaskInterface"):
+        raise ImportError(
+            f"transformers {transformers.__version__} lacks AttentionInterface/AttentionMaskInterface; "
+            "upgrade it (pip install -U 'jaxattn[hf]')."
+        )
+    if name in ("eager", "sdpa", "flex_attention", "paged|eager") or name.startswith("flash_attention"):
+        raise ValueError(f"name={name!r}: that is one of transformers' own implementations; pick another name.")
+    function = make_attention_function(implementation)
+    transformers.AttentionInterface.register(name, function)
+    transformers.AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
