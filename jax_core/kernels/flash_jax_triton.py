@@ -395,7 +395,7 @@ def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, 
         sinks if sinks is not None else _placeholder(),
         *_extra_inputs(extras, seg_tables), vis,
         kernel=_fwd_entry,
-        out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct(out_shape, out_dtype or q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
         grid=(triton.cdiv(rows, block_m), programs),
         num_warps=num_warps, num_stages=num_stages,
         HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, **meta, **vis_args,
@@ -429,7 +429,7 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_ta
     dk, dv = jt.triton_call(
         q, k, v, *placeholders, dout, lse, delta, *extra_inputs, kv_vis,
         kernel=_dkdv_entry,
-        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(k.shape, grad_dtype or k.dtype), jax.ShapeDtypeStruct(v.shape, grad_dtype or v.dtype)),
         grid=(triton.cdiv(k_rows, kv_n), k_programs),
         num_warps=kv_warps, num_stages=kv_stages,
         BLOCK_M=kv_m, BLOCK_N=kv_n, **meta, **do_strides, **kv_vis_args,
@@ -441,7 +441,7 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_ta
     dq, ds = jt.triton_call(
         q, k, v, *placeholders, dout, lse, delta, *extra_inputs, q_vis,
         kernel=_dq_entry,
-        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
         grid=(triton.cdiv(q_rows, q_m), q_programs),
         num_warps=q_warps, num_stages=q_stages,
         WRITE_DS=write_ds, BLOCK_M=q_m, BLOCK_N=q_n, **meta, **do_strides, **q_vis_args,
@@ -520,3 +520,25 @@ def _vjp_bwd(cfg, residuals, cotangents):
 
 
 flash_attention_triton.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+# --- one block of a larger attention (ring attention merges these partial results) ---------------
+
+
+def flash_block_forward(q, k, v, extras: FlashExtras, cfg: FlashConfig, out_dtype=None):
+    """The forward kernel alone, no custom VJP: (out, lse) of q against this k/v block.
+
+    Arguments as in `flash_attention_triton` (no bias, mask or sinks); `out_dtype` (e.g. float32)
+    sets the output dtype, q's dtype by default, so partial results can be merged without rounding.
+    """
+    return _forward(q, k, v, None, None, None, extras, _seg_tables(extras), cfg, out_dtype=out_dtype)
+
+
+def flash_block_backward(q, k, v, dout, lse, delta, extras: FlashExtras, cfg: FlashConfig, grad_dtype=None):
+    """The backward kernels alone: (dq, dk, dv) of this k/v block's share, given row statistics of
+    the whole attention: `lse` (B, Hq, L) and `delta` = rowsum(dout * out) - dLSE (B, Hq, L), both
+    float32 and contiguous. Summing the results over all key blocks gives the full gradients.
+    `grad_dtype` sets the gradients' dtype (q/k/v's by default)."""
+    dq, dk, dv, _ = _backward(q, k, v, None, None, dout, lse, delta, extras, _seg_tables(extras), cfg,
+                              write_ds=False, grad_dtype=grad_dtype)
+    return dq, dk, dv

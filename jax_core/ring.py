@@ -1,0 +1,522 @@
+"""`ring`: sequence-parallel (ring) attention over one mesh axis.
+
+The sequence of query, key and value is sharded over the mesh axis `metadata.sequence_axis_name`
+(n devices). Inside `shard_map`, each device keeps its query shard and, over n steps, sees every
+key/value block once: at step t it holds the block of device (r - t) mod n, starts the `ppermute`
+that passes the block on (so the transfer overlaps the step's compute), attends its queries to the
+block in hand, and merges the partial result into its running (output, LSE) by log-sum-exp. The
+backward is a ring too: each key/value block travels with float32 accumulators of its dK and dV,
+which arrive home after n hops; dQ stays local. No device ever holds more than its own shard plus
+one block in flight.
+
+Per-step attention (a "block kernel"):
+    GPU: the Triton flash kernels (`kernels/flash_jax_triton.py`: `flash_block_forward` /
+         `flash_block_backward`, float32 partial outputs and gradients).
+    CPU: blockwise XLA (`blockwise.block_forward` / `block_backward`, O(chunk) memory).
+    TPU: not available yet (raises; use the XLA kernel with `kernel="xla"` in `ring_attention`).
+
+Load balance under a causal mask (`ring_layout`): "zigzag" (default for causal) gives device d the
+sequence chunks d and 2n - 1 - d, "striped" gives it every n-th token; both give every device the
+same work. "contiguous" (default otherwise) keeps natural shards. The permutation into the layout
+and back is applied inside the call (with collectives), unless `inputs_in_layout=True`.
+
+Masks: causal (top-left; T == S) and sliding windows follow global positions; each step's kernel
+calls come from a static plan (`ring_layout.plan_step`), one `lax.switch` branch per distinct
+piece list, so kernels see static masks and fully masked blocks are skipped. GQA, the logits soft
+cap, segment ids and attention sinks are carried through; bias, bool masks, dropout, varlen and
+returning weights are not supported (they raise).
+
+Shape legend: B batch, T query length, S key length, Hq / Hk query / key-value heads, D head dim,
+Dv value head dim. Arrays are (B, T, H, D).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from . import ring_layout as rl
+from .base import AttentionImpl, AttentionOutput
+from .blockwise import Band, block_backward, block_forward
+from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities
+from .metadata import AttentionMetadata
+from .registry import AttentionRegistry
+
+KERNELS = ("xla", "triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """Static settings of one ring call (hashable: part of the trace).
+
+    Attributes:
+        axis_name: mesh axis of the ring; n: its size.
+        layout: "contiguous", "zigzag" or "striped" (the shards are already in it).
+        rule: global visibility rule (`ring_layout.GlobalBand`).
+        scale: softmax scale; softcap: logits soft cap or None.
+        kernel: "xla" or "triton" block kernel.
+        chunk_q, chunk_k: tile sizes of the XLA kernel.
+        fast_tanh: hardware tanh for the soft cap (Triton, 16-bit inputs, NVIDIA).
+    """
+
+    axis_name: str
+    n: int
+    layout: str
+    rule: rl.GlobalBand
+    scale: float
+    softcap: Optional[float] = None
+    kernel: str = "xla"
+    chunk_q: int = 512
+    chunk_k: int = 512
+    fast_tanh: bool = False
+
+
+# --- block kernels ---------------------------------------------------------------------------------
+
+
+def _acc_dtype(dtype) -> jnp.dtype:
+    return jnp.promote_types(jnp.float32, dtype)
+
+
+def _triton_config(band: Band, cfg: RingConfig):
+    """A FlashConfig whose causal / window / diagonal offset express `band` (see `blockwise.Band`)."""
+    from .kernels.flash_jax_triton import FlashConfig
+
+    lo, hi = band
+    if hi is not None:  # j <= i + hi, and with lo: j >= i + hi - (hi - lo)
+        causal, diag, window = True, hi, ((hi - lo) if lo is not None else -1, -1)
+    elif lo is not None:  # j >= i + lo
+        causal, diag, window = False, lo, (0, -1)
+    else:
+        causal, diag, window = False, 0, (-1, -1)
+    return FlashConfig(scale=cfg.scale, causal=causal, diag_offset=diag, window=window, softcap=cfg.softcap,
+                       layout="BTHD", fast_tanh=cfg.fast_tanh)
+
+
+def _block_forward(q, k, v, q_seg, k_seg, band: Band, cfg: RingConfig):
+    """(out (B, Tq, Hq, Dv) float32+, lse (B, Hq, Tq)) of one piece."""
+    seg = None if q_seg is None else (q_seg, k_seg)
+    if cfg.kernel == "triton":
+        from .kernels.flash_jax_triton import FlashExtras, flash_block_forward
+
+        return flash_block_forward(q, k, v, FlashExtras(segment_ids=seg), _triton_config(band, cfg),
+                                   out_dtype=jnp.float32)
+    return block_forward(q, k, v, scale=cfg.scale, band=band, softcap=cfg.softcap, segment_ids=seg,
+                         chunk_q=cfg.chunk_q, chunk_k=cfg.chunk_k, compute_dtype=_acc_dtype(q.dtype))
+
+
+def _block_backward(q, k, v, do, lse, delta, q_seg, k_seg, band: Band, cfg: RingConfig):
+    """(dq, dk, dv) of one piece, float32+ (given the rows' global lse and delta)."""
+    seg = None if q_seg is None else (q_seg, k_seg)
+    if cfg.kernel == "triton":
+        from .kernels.flash_jax_triton import FlashExtras, flash_block_backward
+
+        return flash_block_backward(q, k, v, do, lse, delta, FlashExtras(segment_ids=seg), _triton_config(band, cfg),
+                                    grad_dtype=jnp.float32)
+    return block_backward(q, k, v, do, lse, delta, scale=cfg.scale, band=band, softcap=cfg.softcap, segment_ids=seg,
+                          chunk_q=cfg.chunk_q, chunk_k=cfg.chunk_k, compute_dtype=_acc_dtype(q.dtype))
+
+
+# --- merging partial results -----------------------------------------------------------------------
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Combines two softmax-normalised partial results over disjoint key sets.
+
+    out_*: (B, T, H, Dv); lse_*: (B, H, T), -inf for rows that saw nothing. Returns (out, lse) of
+    the union: lse = logaddexp(lse_a, lse_b), out = sum_x exp(lse_x - lse) * out_x.
+    """
+    lse = jnp.logaddexp(lse_a, lse_b)
+    ref = jnp.where(jnp.isfinite(lse), lse, 0)
+    w_a = jnp.swapaxes(jnp.exp(lse_a - ref), 1, 2)[..., None]
+    w_b = jnp.swapaxes(jnp.exp(lse_b - ref), 1, 2)[..., None]
+    return out_a * w_a + out_b * w_b, lse
+
+
+def _rows(x, start, length, axis):
+    return jax.lax.slice_in_dim(x, start, start + length, axis=axis)
+
+
+def _forward_branch(pieces, acc_out, acc_lse, q, q_seg, k, v, k_seg, *, cfg):
+    for p in pieces:
+        qs = _rows(q, p.q_start, p.q_len, 1)
+        ks, vs = _rows(k, p.k_start, p.k_len, 1), _rows(v, p.k_start, p.k_len, 1)
+        qseg = None if q_seg is None else _rows(q_seg, p.q_start, p.q_len, 1)
+        kseg = None if k_seg is None else _rows(k_seg, p.k_start, p.k_len, 1)
+        o, l = _block_forward(qs, ks, vs, qseg, kseg, p.band, cfg)
+        o_old, l_old = _rows(acc_out, p.q_start, p.q_len, 1), _rows(acc_lse, p.q_start, p.q_len, 2)
+        o_new, l_new = merge_partials(o_old, l_old, o.astype(acc_out.dtype), l.astype(acc_lse.dtype))
+        acc_out = jax.lax.dynamic_update_slice_in_dim(acc_out, o_new, p.q_start, axis=1)
+        acc_lse = jax.lax.dynamic_update_slice_in_dim(acc_lse, l_new, p.q_start, axis=2)
+    return acc_out, acc_lse
+
+
+def _backward_branch(pieces, dq, dk, dv, q, q_seg, do, lse, delta, k, v, k_seg, *, cfg):
+    for p in pieces:
+        qs, dos = _rows(q, p.q_start, p.q_len, 1), _rows(do, p.q_start, p.q_len, 1)
+        ls, ds = _rows(lse, p.q_start, p.q_len, 2), _rows(delta, p.q_start, p.q_len, 2)
+        ks, vs = _rows(k, p.k_start, p.k_len, 1), _rows(v, p.k_start, p.k_len, 1)
+        qseg = None if q_seg is None else _rows(q_seg, p.q_start, p.q_len, 1)
+        kseg = None if k_seg is None else _rows(k_seg, p.k_start, p.k_len, 1)
+        gq, gk, gv = _block_backward(qs, ks, vs, dos, ls, ds, qseg, kseg, p.band, cfg)
+        dq = dq.at[:, p.q_start:p.q_start + p.q_len].add(gq.astype(dq.dtype))
+        dk = dk.at[:, p.k_start:p.k_start + p.k_len].add(gk.astype(dk.dtype))
+        dv = dv.at[:, p.k_start:p.k_start + p.k_len].add(gv.astype(dv.dtype))
+    return dq, dk, dv
+
+
+def _run_plan(plan: rl.StepPlan, make_branch, axis_name: str, *operands):
+    branches = [functools.partial(make_branch, pieces) for pieces in plan.branches]
+    if len(branches) == 1:
+        return branches[0](*operands)
+    index = jnp.asarray(plan.index, jnp.int32)[jax.lax.axis_index(axis_name)]
+    return jax.lax.switch(index, branches, *operands)
+
+
+def _next_hop(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def _ring_forward(q, k, v, q_seg, k_seg, cfg: RingConfig):
+    b, t, hq, _ = q.shape
+    acc = _acc_dtype(q.dtype)
+    acc_out = jnp.zeros((b, t, hq, v.shape[-1]), acc)
+    acc_lse = jnp.full((b, hq, t), -jnp.inf, acc)
+    block = (k, v, k_seg)
+    branch = functools.partial(_forward_branch, cfg=cfg)
+    for step in range(cfg.n):
+        # Start passing the block on before computing with it: the transfer overlaps the step.
+        following = jax.lax.ppermute(block, cfg.axis_name, _next_hop(cfg.n)) if step + 1 < cfg.n else None
+        plan = rl.plan_step(step, cfg.n, cfg.layout, t, k.shape[1], cfg.rule)
+        acc_out, acc_lse = _run_plan(plan, branch, cfg.axis_name, acc_out, acc_lse, q, q_seg, *block)
+        block = following
+    return acc_out.astype(q.dtype), acc_lse.astype(jnp.promote_types(jnp.float32, q.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def ring_core(q, k, v, q_seg, k_seg, cfg: RingConfig):
+    """Ring attention on this device's shards (call inside `shard_map` over `cfg.axis_name`).
+
+    Args:
+        q: (B, T, Hq, D) local query shard. k: (B, S, Hk, D), v: (B, S, Hk, Dv) local key/value
+            shards. All in `cfg.layout` order.
+        q_seg, k_seg: (B, T) / (B, S) int32 segment ids of the shards, or None.
+        cfg: static settings.
+
+    Returns:
+        (out (B, T, Hq, Dv) in q's dtype, lse (B, Hq, T) float32; -inf for rows that see nothing).
+    """
+    return _ring_forward(q, k, v, q_seg, k_seg, cfg)
+
+
+def _ring_vjp_fwd(q, k, v, q_seg, k_seg, cfg):
+    out, lse = _ring_forward(q, k, v, q_seg, k_seg, cfg)
+    return (out, lse), (q, k, v, q_seg, k_seg, out, lse)
+
+
+def _ring_vjp_bwd(cfg, residuals, cotangents):
+    q, k, v, q_seg, k_seg, out, lse = residuals
+    do, dlse = cotangents
+    acc = _acc_dtype(q.dtype)
+    # Delta = rowsum(dO * O) minus the LSE cotangent (d lse / d logit = P), per row (B, Hq, T).
+    delta = jnp.swapaxes(jnp.sum(do.astype(acc) * out.astype(acc), axis=-1), 1, 2) - dlse.astype(acc)
+    if cfg.kernel == "triton":
+        lse_k, delta_k = lse.astype(jnp.float32), delta.astype(jnp.float32)
+    else:
+        lse_k, delta_k = lse.astype(acc), delta
+    dq = jnp.zeros(q.shape, acc)
+    dk, dv = jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)
+    block = (k, v, k_seg)
+    branch = functools.partial(_backward_branch, cfg=cfg)
+    for step in range(cfg.n):
+        following = jax.lax.ppermute(block, cfg.axis_name, _next_hop(cfg.n)) if step + 1 < cfg.n else None
+        plan = rl.plan_step(step, cfg.n, cfg.layout, q.shape[1], k.shape[1], cfg.rule)
+        dq, dk, dv = _run_plan(plan, branch, cfg.axis_name, dq, dk, dv, q, q_seg, do, lse_k, delta_k, *block)
+        # dK / dV accumulators travel with their block; after n hops they are home.
+        dk, dv = jax.lax.ppermute((dk, dv), cfg.axis_name, _next_hop(cfg.n))
+        block = following
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+ring_core.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
+
+
+# --- the global-array entry point ------------------------------------------------------------------
+
+
+def _pad_seq(x, length, value=0):
+    if x is None or x.shape[1] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, length - x.shape[1])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _padding_segments(segment_ids, b, t, s, tp, sp):
+    """Segment ids that hide padded keys from real queries: the caller's ids (or zeros), and for
+    padded keys an id no real query has."""
+    if segment_ids is None:
+        q_ids = jnp.zeros((b, t), jnp.int32)
+        kv_ids = jnp.zeros((b, s), jnp.int32)
+        pad_id = jnp.int32(1)
+    else:
+        q_ids, kv_ids = (x.astype(jnp.int32) for x in segment_ids)
+        top = jnp.max(q_ids)
+        pad_id = jnp.where(top < jnp.iinfo(jnp.int32).max, top + 1, jnp.min(q_ids) - 1)
+    return _pad_seq(q_ids, tp, pad_id), _pad_seq(kv_ids, sp, pad_id)
+
+
+def _mesh_axis(mesh: Mesh, axis):
+    """`axis` if every name in it is a mesh axis (for batch / head sharding), else None."""
+    if axis is None:
+        return None
+    names = axis if isinstance(axis, tuple) else (axis,)
+    kept = tuple(a for a in names if a in mesh.axis_names)
+    if not kept:
+        return None
+    return kept if isinstance(axis, tuple) else kept[0]
+
+
+def default_kernel(platform: str) -> str:
+    """"triton" on GPU, "xla" on CPU; TPU has no ring kernel yet."""
+    if platform == "gpu":
+        return "triton"
+    if platform == "cpu":
+        return "xla"
+    raise NotImplementedError(f"ring attention has no block kernel for platform {platform!r} yet "
+                              "(pass kernel='xla' to run the blockwise XLA kernel there).")
+
+
+def ring_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    mesh: Mesh,
+    axis_name: str = "sp",
+    causal: bool = False,
+    sliding_window: Optional[tuple[int, int]] = None,
+    logits_soft_cap: Optional[float] = None,
+    softmax_aux: Optional[jax.Array] = None,
+    segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
+    scale: Optional[float] = None,
+    layout: Optional[str] = None,
+    inputs_in_layout: bool = False,
+    kernel: Optional[str] = None,
+    batch_axis: Any = None,
+    head_axis: Optional[str] = None,
+    chunk_q: int = 512,
+    chunk_k: int = 512,
+    return_lse: bool = False,
+):
+    """Ring attention of global (B, T, Hq, D) / (B, S, Hk, D) / (B, S, Hk, Dv) arrays.
+
+    The arrays are sharded (by this call if they are not already) over `axis_name` along the
+    sequence, and over `batch_axis` / `head_axis` when given; the result has the query's sharding.
+
+    Args:
+        query, key, value: global arrays in natural sequence order, or in `layout` order with
+            `inputs_in_layout=True`.
+        mesh: the device mesh; `axis_name` is its ring axis.
+        causal: top-left causal mask (needs T == S).
+        sliding_window: (left, right) keys visible around each query's position (-1: unbounded);
+            needs T == S.
+        logits_soft_cap: c in c * tanh(s / c).
+        softmax_aux: attention sinks, (Hq,) or (Hq, n) logits that join each row's denominator.
+        segment_ids: (q_ids (B, T), kv_ids (B, S)) integer arrays; equal ids attend.
+        scale: softmax scale (default 1 / sqrt(D)).
+        layout: "zigzag", "striped" or "contiguous"; None: zigzag for causal without a window,
+            else contiguous (`ring_layout.default_layout`).
+        inputs_in_layout: the inputs already are in `layout` order (e.g. from `ring_layout.to_layout`)
+            and the output stays in it; no permutation, no padding (lengths must be multiples of
+            `ring_layout.length_multiple`). Otherwise lengths are padded as needed, padded keys are
+            masked, and the output is in natural order.
+        kernel: "triton" (GPU) or "xla"; None picks by the arrays' platform (`default_kernel`).
+        batch_axis, head_axis: optional mesh axes for the batch and head dims.
+        chunk_q, chunk_k: tile sizes of the XLA kernel.
+        return_lse: also return the (B, Hq, T) float32 log-sum-exp (sinks included).
+
+    Returns:
+        (B, T, Hq, Dv) output, or (output, lse) with `return_lse`.
+
+    Raises:
+        ValueError: malformed shapes, an unknown layout or kernel, a mask that needs T == S, or
+            lengths that do not fit the layout with `inputs_in_layout`.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r}: expected a jax.sharding.Mesh.")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}; "
+                         "name the mesh axis the sequence is sharded over.")
+    n = mesh.shape[axis_name]
+    b, t, hq, d = query.shape
+    s, hk = key.shape[1], key.shape[2]
+    if key.shape[0] != b or value.shape[:3] != key.shape[:3] or key.shape[3] != d or hq % hk:
+        raise ValueError(f"shapes disagree: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)}; expected (B, T, Hq, D), (B, S, Hk, D), (B, S, Hk, Dv) with Hq % Hk == 0.")
+    rule = rl.rule_for(causal, sliding_window)
+    if rule != rl.GlobalBand() and t != s:
+        raise ValueError(f"causal / sliding_window need equal query and key lengths in ring attention, got T={t}, S={s}.")
+    layout = layout if layout is not None else rl.default_layout(causal, sliding_window)
+    if layout not in rl.LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {rl.LAYOUTS} or None.")
+    if kernel is None:
+        kernel = default_kernel(_platform(query))
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS} or None.")
+    unit = rl.length_multiple(n, layout)
+    tp, sp = rl.padded_length(t, n, layout), rl.padded_length(s, n, layout)
+    if inputs_in_layout and (tp != t or sp != s):
+        raise ValueError(f"inputs_in_layout=True: T={t} and S={s} must be multiples of {unit} for layout={layout!r} "
+                         f"on {n} devices (pad them, or pass natural-order inputs).")
+    q_seg = k_seg = None
+    if tp != t or sp != s:
+        # Padded keys sit after every real position: a causal rule already hides them.
+        hidden_by_rule = rule.hi is not None and rule.hi <= 0 and t == s
+        if segment_ids is not None or not hidden_by_rule:
+            q_seg, k_seg = _padding_segments(segment_ids, b, t, s, tp, sp)
+    elif segment_ids is not None:
+        q_seg, k_seg = (x.astype(jnp.int32) for x in segment_ids)
+    cfg = RingConfig(
+        axis_name=axis_name, n=n, layout=layout, rule=rule, scale=float(scale if scale is not None else d ** -0.5),
+        softcap=None if logits_soft_cap is None else float(logits_soft_cap), kernel=kernel,
+        chunk_q=chunk_q, chunk_k=chunk_k, fast_tanh=kernel == "triton" and jnp.dtype(query.dtype).itemsize < 4,
+    )
+    batch, head = _mesh_axis(mesh, batch_axis), _mesh_axis(mesh, head_axis)
+    out, lse = _sharded_ring(mesh, cfg, batch, head, not inputs_in_layout)(
+        _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), q_seg, k_seg)
+    out, lse = out[:, :t], lse[:, :, :t]
+    if softmax_aux is not None:
+        out, lse = _with_sinks(out, lse, softmax_aux)
+    return (out, lse) if return_lse else out
+
+
+def _platform(x) -> str:
+    try:
+        platform = next(iter(x.devices())).platform
+    except (AttributeError, jax.errors.ConcretizationTypeError):
+        platform = jax.default_backend()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def _with_sinks(out, lse, softmax_aux):
+    """Adds per-head sink logits to each row's denominator: out * exp(lse - lse_total)."""
+    sinks = softmax_aux.astype(lse.dtype)
+    sink_lse = sinks if sinks.ndim == 1 else jax.nn.logsumexp(sinks, axis=-1)
+    total = jnp.logaddexp(lse, sink_lse[None, :, None])
+    factor = jnp.where(jnp.isfinite(lse), jnp.exp(lse - total), 0)
+    return (out * jnp.swapaxes(factor, 1, 2)[..., None].astype(out.dtype)).astype(out.dtype), total
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_ring(mesh: Mesh, cfg: RingConfig, batch, head, permute: bool):
+    """The jitted shard_map of the ring over `mesh` (cached per static setting)."""
+    n, layout, axis = cfg.n, cfg.layout, cfg.axis_name
+    qkv_spec = P(batch, axis, head, None)
+    seg_spec = P(batch, axis)
+
+    def body(q, k, v, q_seg, k_seg):
+        if permute:
+            q, k, v = (rl.to_layout_sharded(x, axis, n, layout) for x in (q, k, v))
+            if q_seg is not None:
+                q_seg, k_seg = (rl.to_layout_sharded(x, axis, n, layout) for x in (q_seg, k_seg))
+        out, lse = ring_core(q, k, v, q_seg, k_seg, cfg)
+        if permute:
+            out = rl.from_layout_sharded(out, axis, n, layout)
+            lse = rl.from_layout_sharded(lse, axis, n, layout, axis=2)
+        return out, lse
+
+    def run(q, k, v, q_seg, k_seg):
+        segs = (None, None) if q_seg is None else (seg_spec, seg_spec)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, *segs),
+                           out_specs=(qkv_spec, P(batch, head, axis)), check_vma=False)
+        return fn(q, k, v, q_seg, k_seg)
+
+    return jax.jit(run)
+
+
+# --- the registered implementation -----------------------------------------------------------------
+
+_FEATURES = frozenset({"causal", "gqa", "sliding_window", "softcap", "sinks", "segment_ids", "lse", "backward"})
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def sequence_axis_size(metadata: Optional[AttentionMetadata]) -> int:
+    """Size of `metadata.sequence_axis_name` in `metadata.mesh` (0 without a mesh or that axis)."""
+    if metadata is None or metadata.mesh is None:
+        return 0
+    return int(metadata.mesh.shape.get(metadata.sequence_axis_name, 0))
+
+
+@AttentionRegistry.register
+class RingAttn(AttentionImpl):
+    """Sequence-parallel ring attention over `metadata.sequence_axis_name`; see the module docstring.
+
+    Needs `metadata.mesh` with that axis. Batch and heads are also sharded over the
+    `metadata.partition_axis` batch / head axes that the mesh has. The layout is chosen by
+    `ring_layout.default_layout`; use `ring_attention` for explicit layouts and kernels.
+    """
+
+    capabilities = Capabilities(
+        platforms=frozenset({"cpu", "gpu"}),
+        dtypes=ALL_FLOAT_DTYPES,
+        features=_FEATURES,
+        max_head_dim=None,
+    )
+
+    @classmethod
+    def get_impl_name(cls) -> str:
+        return "ring"
+
+    @classmethod
+    def extra_reasons(cls, inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:
+        reasons = []
+        if metadata.mesh is None:
+            reasons.append("ring needs metadata.mesh with a sequence axis (metadata.sequence_axis_name)")
+        elif metadata.sequence_axis_name not in metadata.mesh.axis_names:
+            reasons.append(f"sequence_axis_name={metadata.sequence_axis_name!r} is not an axis of the mesh "
+                           f"{dict(metadata.mesh.shape)}")
+        positional = inputs.features & {"causal", "sliding_window"}
+        if positional and inputs.q_len != inputs.kv_len:
+            reasons.append(f"{'/'.join(sorted(positional))} needs q_len == kv_len in ring attention, got "
+                           f"{inputs.q_len} and {inputs.kv_len}")
+        if inputs.platform == "gpu":
+            for module, extra in (("triton", "triton"), ("jax_triton", "jax-triton")):
+                if not _has_module(module):
+                    reasons.append(f"{extra} is not installed (pip install 'jaxattn[gpu]')")
+            if inputs.dtype == "float64":
+                reasons.append("dtype float64 not supported by the GPU kernels")
+            if max(inputs.head_dim, inputs.value_head_dim) > 256:
+                reasons.append(f"head dims up to 256 on GPU, got {max(inputs.head_dim, inputs.value_head_dim)}")
+        if metadata.runtime_dtype is not None:
+            reasons.append("runtime_dtype is not supported by ring (cast the inputs)")
+        return reasons
+
+    def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
+                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, segment_ids=None,
+                       cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+        del bias, mask, causal_alignment, dropout_rng, return_weights, cu_seqlens, max_seqlen  # refused by reasons
+        md = self.metadata
+        pa = md.partition_axis
+        out, lse = ring_attention(
+            query, key, value, mesh=md.mesh, axis_name=md.sequence_axis_name, causal=causal,
+            sliding_window=None if sliding_window is None else tuple(sliding_window),
+            logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, segment_ids=segment_ids,
+            scale=md.scale_for(query.shape[-1]), kernel=default_kernel(md.platform or _platform(query)),
+            batch_axis=pa.batch_axis, head_axis=pa.head_axis, chunk_q=md.blocksize_q, chunk_k=md.blocksize_k,
+            return_lse=True,
+        )
+        return AttentionOutput(attention_outputs=out, lse=lse)
