@@ -375,7 +375,7 @@ def _grid_rows(meta: dict, extras: FlashExtras, cfg: FlashConfig, which: str) ->
     return min(int(bound), full), n * heads
 
 
-def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, cfg: FlashConfig):
+def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, cfg: FlashConfig, out_dtype=None):
     import jax_triton as jt
 
     meta = _common(q, k, v, bias, mask, extras, cfg)
@@ -408,7 +408,7 @@ def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, 
 
 
 def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_tables, skip, cfg: FlashConfig,
-              write_ds: bool):
+              write_ds: bool, grad_dtype=None):
     import jax_triton as jt
 
     meta = _common(q, k, v, bias, mask, extras, cfg)
@@ -531,7 +531,7 @@ def flash_block_forward(q, k, v, extras: FlashExtras, cfg: FlashConfig, out_dtyp
     Arguments as in `flash_attention_triton` (no bias, mask or sinks); `out_dtype` (e.g. float32)
     sets the output dtype, q's dtype by default, so partial results can be merged without rounding.
     """
-    return _forward(q, k, v, None, None, None, extras, _seg_tables(extras), cfg, out_dtype=out_dtype)
+    return _forward(q, k, v, None, None, None, extras, _seg_tables(extras), None, cfg, out_dtype=out_dtype)
 
 
 def flash_block_backward(q, k, v, dout, lse, delta, extras: FlashExtras, cfg: FlashConfig, grad_dtype=None):
@@ -539,6 +539,6 @@ def flash_block_backward(q, k, v, dout, lse, delta, extras: FlashExtras, cfg: Fl
     the whole attention: `lse` (B, Hq, L) and `delta` = rowsum(dout * out) - dLSE (B, Hq, L), both
     float32 and contiguous. Summing the results over all key blocks gives the full gradients.
     `grad_dtype` sets the gradients' dtype (q/k/v's by default)."""
-    dq, dk, dv, _ = _backward(q, k, v, None, None, dout, lse, delta, extras, _seg_tables(extras), cfg,
+    dq, dk, dv, _ = _backward(q, k, v, None, None, dout, lse, delta, extras, _seg_tables(extras), None, cfg,
                               write_ds=False, grad_dtype=grad_dtype)
     return dq, dk, dv
