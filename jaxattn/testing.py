@@ -183,8 +183,9 @@ def compare(
     same_inf = np.isinf(a) & np.isinf(e) & (np.sign(a) == np.sign(e))
     nonfinite_mismatches = int(np.count_nonzero(~(a_fin & e_fin) & ~both_nan & ~same_inf))
     finite = a_fin & e_fin
-    err = np.where(finite, np.abs(a - e), 0.0)
-    tol = atol + rtol * np.abs(np.where(finite, e, 0.0))
+    a0, e0 = np.where(finite, a, 0.0), np.where(finite, e, 0.0)
+    err = np.abs(a0 - e0)
+    tol = atol + rtol * np.abs(e0)
     ratio = np.where(finite, err / np.where(tol > 0, tol, np.inf), 0.0)
     ratio = np.where(finite & (tol == 0) & (err > 0), np.inf, ratio)
     if a.size:
@@ -225,7 +226,8 @@ def _numpy_dtype(name: str):
 
 
 def rounding_floor(reference: Any, dtype: str) -> float:
-    """Twice the largest rounding error of `dtype` near the reference's values shifted by 0.3.
+    """Twice the largest rounding error of `dtype` near the reference's values shifted by 0.3:
+    2 * max |(r + 0.3 - 0.3) - r| with r the reference rounded to `dtype` and each step rounded.
 
     flash-attn's forward tolerance term: the error that rounding alone causes at the data's
     scale, which keeps the 2x rule meaningful where the baseline's own error is close to 0.
@@ -241,7 +243,8 @@ def rounding_floor(reference: Any, dtype: str) -> float:
         return v.astype(np_dtype).astype(np.float64)
 
     r = rounded(ref)
-    shifted = rounded(rounded(r + 0.3) - 0.3)
+    shift = float(rounded(np.float64(0.3)))  # the constant in the dtype, as torch's arithmetic has it
+    shifted = rounded(rounded(r + shift) - shift)
     return 2.0 * float(np.abs(shifted - r).max()) if r.size else 0.0
 
 
@@ -323,8 +326,9 @@ def compare_to_reference(
         raise ValueError(f"{name}: shapes differ: candidate {c.shape}, baseline {b.shape}, reference {r.shape}.")
     finite_ref = np.isfinite(r)
     nonfinite = int(np.count_nonzero(finite_ref & ~np.isfinite(c)))
-    c_err = np.where(finite_ref & np.isfinite(c), np.abs(c - r), 0.0)
-    b_err = np.where(finite_ref & np.isfinite(b), np.abs(b - r), 0.0)
+    r0 = np.where(finite_ref, r, 0.0)
+    c_err = np.abs(np.where(finite_ref & np.isfinite(c), c, r0) - r0)
+    b_err = np.abs(np.where(finite_ref & np.isfinite(b), b, r0) - r0)
     if floor is None:
         floor = rounding_floor(np.where(finite_ref, r, 0.0), c_dtype) if c_dtype in EPS else 0.0
     cand = float(c_err.max()) if c.size else 0.0
