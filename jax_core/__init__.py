@@ -8,6 +8,9 @@ from . import decode as _decode  # noqa: F401  (registers "decode", "autoregress
 from . import flash as _flash  # noqa: F401  (registers "flash", "flash_attn2")
 from . import sdpa as _sdpa  # noqa: F401  (registers "sdpa", "cudnn", "cuda_flash_attn2")
 from . import vanilla as _vanilla  # noqa: F401  (registers "vanilla")
+from . import ring as _ring  # noqa: F401  (registers "ring"; chosen when metadata.mesh has the sequence axis)
+from .blockwise import blockwise_attn
+from .ring import ring_attention
 from .base import DECODE_MAX_QUERY_LEN, AttentionImpl, AttentionOutput, Layout, mode_for
 from .capabilities import FEATURES, AttentionInputs, Capabilities
 from .decode import DecodeAttn, decode_attention
@@ -22,4 +25,5 @@ __all__ = [
     "Capabilities", "FEATURES", "ImplementationUnavailableError", "Implementation", "Layout", "PRIORITIES", "PartitionAxis", "attention",
     "backend_of", "platform_of", "positional_mask", "reference_attention",
     "DECODE_MAX_QUERY_LEN", "DecodeAttn", "MODE_PRIORITIES", "decode_attention", "mode_for",
+    "blockwise_attn", "ring_attention",
 ]

@@ -52,6 +52,15 @@ MODE_PRIORITIES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+def sequence_parallel_first(metadata: Optional[AttentionMetadata]) -> tuple[str, ...]:
+    """("ring",) when `metadata.mesh` has an axis named `metadata.sequence_axis_name` of size > 1: the
+    caller shards the sequence, so automatic selection tries ring attention first (not for decoding
+    calls). Without such a mesh, ring is never chosen automatically (only when asked for by name)."""
+    if metadata is None or metadata.mesh is None:
+        return ()
+    return ("ring",) if metadata.mesh.shape.get(metadata.sequence_axis_name, 1) > 1 else ()
+
+
 class AttentionRegistry:
     """Registry of `AttentionImpl` classes, keyed by every name and alias they declare."""
 
@@ -111,7 +120,8 @@ class AttentionRegistry:
         Args:
             inputs: the call's signature.
             metadata: settings (a mesh adds divisibility rules).
-            implementation: None for automatic selection by `MODE_PRIORITIES` for the call's mode,
+            implementation: None for automatic selection: "ring" first when the mesh has the
+                sequence axis (`sequence_parallel_first`), then `MODE_PRIORITIES` for the call's mode,
                 then `PRIORITIES[inputs.platform]`; a name to
                 force one; a tuple of names to choose among them in that order.
 
@@ -130,7 +140,9 @@ class AttentionRegistry:
             return impl
         if implementation is None:
             mode = mode_for(inputs.q_len, inputs.kv_len)
-            ordered = MODE_PRIORITIES.get(mode, {}).get(inputs.platform, ()) + platform_order(inputs)
+            ring = sequence_parallel_first(metadata) if mode == "__train__" else ()
+            ordered = (ring + MODE_PRIORITIES.get(mode, {}).get(inputs.platform, ())
+                       + platform_order(inputs))
             names = [n for n in dict.fromkeys(ordered) if n in cls._impls]
         else:
             names = list(implementation)
