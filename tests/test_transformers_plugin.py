@@ -143,9 +143,7 @@ def test_mistral_generate_with_window_same_tokens_as_sdpa():
 def test_gemma2_softcap_matches_eager_and_the_cap_matters():
     ids, mask = _batch(True)
     model = _model("gemma2", attn_logit_softcapping=0.5)  # small cap: it clips most logits
-    # transformers refuses "sdpa" for Gemma 2 (it cannot soft-cap): eager is the oracle
-    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
-        _logits(model, "sdpa", ids, mask)
+    # the oracle is eager: transformers' sdpa cannot soft-cap (recent versions refuse it for Gemma 2)
     ours = _logits(model, "jaxattn", ids, mask)
     real = mask.bool()
     torch.testing.assert_close(ours[real], _logits(model, "eager", ids, mask)[real], atol=ATOL, rtol=ATOL)
