@@ -98,6 +98,24 @@ def test_visibility_tiles_table():
     np.testing.assert_array_equal(only_bias[:, 0, 0], [[1, 1], [0, 1]])
 
 
+def test_skip_table_lists_live_blocks():
+    mask = np.zeros((1, 1, 4, 6), np.int8)
+    mask[0, 0, 0, 5] = 1
+    mask[0, 0, 0, 0] = 1
+    mask[0, 0, 3, 2] = 1
+    skip = ((1, 1), fj.visibility_tiles(None, jnp.asarray(mask), (1, 1)))
+    rows = fj.skip_table(skip, 2, 2, 4, 6, "k")  # 2 query blocks x 3 key blocks
+    assert rows.shape == (1, 1, 2, 7)
+    np.testing.assert_array_equal(rows[0, 0, 0, :4], [0, 1, 1, 2])  # live key blocks 0 and 2
+    np.testing.assert_array_equal(rows[0, 0, 0, 4:6], [0, 2])
+    np.testing.assert_array_equal(rows[0, 0, 1, :4], [0, 0, 1, 1])  # live key block 1
+    assert rows[0, 0, 1, 4] == 1
+    cols = fj.skip_table(skip, 2, 2, 4, 6, "q")  # per key block, its live query blocks
+    assert cols.shape == (1, 1, 3, 5)
+    np.testing.assert_array_equal(cols[0, 0, :, :3], [[0, 1, 1], [0, 0, 1], [0, 1, 1]])
+    np.testing.assert_array_equal(cols[0, 0, :, 3], [0, 1, 0])
+
+
 # ---------------------------------------------------------------------------------------- kernels
 
 

@@ -277,7 +277,7 @@ def flash_bwd_dkdv_kernel(
     HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
-    Vis=None, stride_tb=0, stride_th=0, stride_tm=0, stride_tn=0, BLOCK_SKIP: tl.constexpr = False,
+    Skip=None, stride_tb=0, stride_th=0, stride_tr=0, BLOCK_SKIP: tl.constexpr = False,
 ):
     """dK and dV of one key block of one (batch, KV head). Grid (cdiv(S, BLOCK_N), B * Hk).
 
@@ -305,9 +305,10 @@ def flash_bwd_dkdv_kernel(
             bottom-right, else top-left; diag_offset is then ignored).
         Seed: two int32 words of the dropout seed, read iff DROPOUT; dropout_p: drop probability.
         FAST_TANH: hardware tanh for the soft cap (NVIDIA only).
-        Vis, stride_t*: int8 block-visibility table (B|1, Hq|1, cdiv(L, BLOCK_M)|1,
-            cdiv(S, BLOCK_N)|1), read iff BLOCK_SKIP: tiles marked 0 (fully masked by the bool
-            mask or a -inf bias) are skipped.
+        Skip, stride_t*: int32 skip table (B|1, Hq|1, cdiv(S, BLOCK_N), 2 * cdiv(L, BLOCK_M) + 1),
+            read iff BLOCK_SKIP: per key block, prefix counts of the query blocks that see some
+            element of it through the bool mask / -inf bias, then those query blocks in
+            ascending order (`flash_jax_triton.skip_table`); the others are skipped.
         BLOCK_M, BLOCK_N: tile sizes. BLOCK_D, BLOCK_DV: next_power_of_2(D), next_power_of_2(Dv).
     """
     pid_n = tl.program_id(0)
@@ -377,21 +378,25 @@ def flash_bwd_dkdv_kernel(
         row0 = (b * Hq + h) * L
         if VARLEN:
             row0 = h * L + q_off
-        vis_h = Vis
         if BLOCK_SKIP:
-            vis_h = Vis + b * stride_tb + h * stride_th + pid_n * stride_tn
-        for start_m in range(lo, hi, BLOCK_M):
-            if BLOCK_SKIP:
-                live = tl.load(vis_h + (start_m // BLOCK_M) * stride_tm)
-                if live != 0:
-                    acc_dk, acc_dv = _dkdv_block(
-                        acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
-                        Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
-                        stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
-                        seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
-                        seed, dropout_p, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
-                        FAST_TANH, BLOCK_M)
-            else:
+            # Only the live query blocks of [lo, hi): this key block's row of the skip table holds
+            # n_q + 1 prefix counts, then the live query blocks in ascending order.
+            row = Skip + b * stride_tb + h * stride_th + pid_n * stride_tr
+            n_q = (L + BLOCK_M - 1) // BLOCK_M
+            first = lo // BLOCK_M
+            i0 = tl.load(row + first)
+            i1 = tl.load(row + tl.maximum((hi + BLOCK_M - 1) // BLOCK_M, first))
+            for i in range(i0, i1):
+                start_m = tl.load(row + n_q + 1 + i) * BLOCK_M
+                acc_dk, acc_dv = _dkdv_block(
+                    acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
+                    Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
+                    seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
+                    seed, dropout_p, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
+                    FAST_TANH, BLOCK_M)
+        else:
+            for start_m in range(lo, hi, BLOCK_M):
                 acc_dk, acc_dv = _dkdv_block(
                     acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
                     Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
@@ -429,7 +434,7 @@ def flash_bwd_dq_kernel(
     HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
-    Vis=None, stride_tb=0, stride_th=0, stride_tm=0, stride_tn=0, BLOCK_SKIP: tl.constexpr = False,
+    Skip=None, stride_tb=0, stride_th=0, stride_tr=0, BLOCK_SKIP: tl.constexpr = False,
 ):
     """dQ (and optionally dS) of one query block of one (batch, query head).
 
@@ -458,9 +463,10 @@ def flash_bwd_dq_kernel(
             bottom-right, else top-left; diag_offset is then ignored).
         Seed: two int32 words of the dropout seed, read iff DROPOUT; dropout_p: drop probability.
         FAST_TANH: hardware tanh for the soft cap (NVIDIA only).
-        Vis, stride_t*: int8 block-visibility table (B|1, Hq|1, cdiv(L, BLOCK_M)|1,
-            cdiv(S, BLOCK_N)|1), read iff BLOCK_SKIP: tiles marked 0 (fully masked by the bool
-            mask or a -inf bias) are skipped.
+        Skip, stride_t*: int32 skip table (B|1, Hq|1, cdiv(L, BLOCK_M), 2 * cdiv(S, BLOCK_N) + 1),
+            read iff BLOCK_SKIP: per query block, prefix counts of the key blocks with some
+            element visible through the bool mask / -inf bias, then those key blocks in
+            ascending order (`flash_jax_triton.skip_table`); the others are skipped.
         BLOCK_M, BLOCK_N: tile sizes. BLOCK_D, BLOCK_DV: next_power_of_2(D), next_power_of_2(Dv).
     """
     pid_m = tl.program_id(0)
@@ -528,26 +534,32 @@ def flash_bwd_dq_kernel(
     if DROPOUT:
         seed = load_seed(Seed)
 
-    vis_row = Vis
     if BLOCK_SKIP:
-        vis_row = Vis + b * stride_tb + h * stride_th + pid_m * stride_tm
-    for start_n in range(lo, hi, BLOCK_N):
-        if BLOCK_SKIP:
-            live = tl.load(vis_row + (start_n // BLOCK_N) * stride_tn)
-            if live != 0:
-                acc_dq = _dq_block(
-                    acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
-                    K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
-                    stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
-                    stride_dsm, stride_dsn, seq_l, seq_s, q_off, k_off, S, scale, softcap,
-                    window_left, window_right, diag, seed, dropout_p,
-                    CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N)
-            elif WRITE_DS:  # a skipped tile's gradient is zero
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn,
-                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
-                         mask=m_ok[:, None] & (offs_n[None, :] < S))
-        else:
+        # Only the live key blocks of [lo, hi) (see the dK/dV kernel); dead tiles get zero dS.
+        row = Skip + b * stride_tb + h * stride_th + pid_m * stride_tr
+        n_k = (S + BLOCK_N - 1) // BLOCK_N
+        first = lo // BLOCK_N
+        last = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, first)
+        i0 = tl.load(row + first)
+        i1 = tl.load(row + last)
+        for i in range(i0, i1):
+            start_n = tl.load(row + n_k + 1 + i) * BLOCK_N
+            acc_dq = _dq_block(
+                acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
+                K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+                stride_dsm, stride_dsn, seq_l, seq_s, q_off, k_off, S, scale, softcap,
+                window_left, window_right, diag, seed, dropout_p,
+                CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N)
+        if WRITE_DS:
+            for kb in range(first, last):
+                if tl.load(row + kb + 1) == tl.load(row + kb):
+                    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+                    tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn,
+                             tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                             mask=m_ok[:, None] & (offs_n[None, :] < S))
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
             acc_dq = _dq_block(
                 acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
                 K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,

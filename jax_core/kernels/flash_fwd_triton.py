@@ -167,8 +167,8 @@ def _fwd_block(
 @triton.jit
 def _fwd_stage(
     acc, l_i, m_i, q, qseg,
-    k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
-    stride_kn, stride_vn, stride_bn, stride_mn, stride_tn,
+    k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
+    stride_kn, stride_vn, stride_bn, stride_mn,
     offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
     start, end, S,
     scale, softcap,
@@ -183,21 +183,28 @@ def _fwd_stage(
     MASKED: apply the positional rule (row_lo <= j < row_hi, which also implies j < S); otherwise
     every key of every block is known visible and inside [0, S). Bool masks and segment ids are
     applied in both cases. With DROPOUT, l_i sums every probability but only kept ones reach acc.
-    BLOCK_SKIP: vis_ptr points at this query block's row of the block-visibility table (one int8
-    per key block, stride stride_tn); key blocks marked 0 (every element masked by the bool mask or
-    a -inf bias) are neither loaded nor computed. Skipping them is exact: they would add exp(-inf) = 0.
+    BLOCK_SKIP: vis_ptr points at this query block's row of the skip table: n_blocks + 1 prefix counts
+    of live key blocks, then the live key blocks in ascending order. Dead blocks (every element
+    masked by the bool mask or a -inf bias) are neither loaded nor computed. Skipping them is exact:
+    they would add exp(-inf) = 0.
     """
-    for start_n in range(start, end, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        if BLOCK_SKIP:
-            live = tl.load(vis_ptr + (start_n // BLOCK_N) * stride_tn)
-            if live != 0:
-                acc, l_i, m_i = _fwd_block(
-                    acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-                    stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
-                    row_lo, row_hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
-                    MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
-        else:
+    if BLOCK_SKIP:
+        # Only the live key blocks of [start, end): entries [cnt[start / BLOCK_N], cnt[cdiv(end, BLOCK_N)])
+        # of this row's ascending list of live blocks (an indirect loop that still pipelines).
+        first = start // BLOCK_N
+        i0 = tl.load(vis_ptr + first)
+        i1 = tl.load(vis_ptr + tl.maximum((end + BLOCK_N - 1) // BLOCK_N, first))
+        for i in range(i0, i1):
+            start_n = tl.load(vis_ptr + n_blocks + 1 + i) * BLOCK_N
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _fwd_block(
+                acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
+                row_lo, row_hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+                MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
                 stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
@@ -208,8 +215,8 @@ def _fwd_stage(
 
 @triton.jit
 def _fwd_stages(
-    acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
-    stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+    acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
+    stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
     lo, mid_lo, mid_hi, hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SEG_CHECK: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SKIP: tl.constexpr,
@@ -219,18 +226,18 @@ def _fwd_stages(
     SEG_CHECK compares segment ids element by element in every stage.
     """
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
+        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         lo, tl.minimum(mid_lo, hi), S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
         True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
+        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         tl.maximum(mid_lo, lo), tl.minimum(mid_hi, hi), S, scale, softcap, seed, drop_row0, drop_rows, k_off,
         S_mem, dropout_p, False, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
     acc, l_i, m_i = _fwd_stage(
-        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
-        stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+        acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
+        stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         tl.maximum(mid_hi, lo), hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
         True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
     return acc, l_i, m_i
@@ -254,13 +261,14 @@ def flash_fwd_kernel(
     HAS_SEGMENTS: tl.constexpr = False, VARLEN: tl.constexpr = False,
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
-    Vis=None, stride_tb=0, stride_th=0, stride_tm=0, stride_tn=0, BLOCK_SKIP: tl.constexpr = False,
+    Skip=None, stride_tb=0, stride_th=0, stride_tr=0, BLOCK_SKIP: tl.constexpr = False,
 ):
     """Flash-attention forward; grid (cdiv(L, BLOCK_M), B * Hq). See FLASH_CONTRACT.md.
 
-    With BLOCK_SKIP, Vis is the int8 block-visibility table (B|1, Hq|1, cdiv(L, BLOCK_M)|1,
-    cdiv(S, BLOCK_N)|1) with element strides stride_t*, 0 where a (query block, key block) tile is
-    fully masked by the bool mask or a -inf bias; such tiles are skipped.
+    With BLOCK_SKIP, Skip is the int32 skip table (B|1, Hq|1, cdiv(L, BLOCK_M), 2 * C + 1) with
+    C = cdiv(S, BLOCK_N) (`flash_jax_triton.skip_table`): per query block, C + 1 prefix counts of
+    live key blocks, then the live key blocks in ascending order; a block is dead when the bool mask
+    or a -inf bias masks all of its tile. Dead tiles are skipped.
 
     With VARLEN the grid is (cdiv(max_seqlen_q, BLOCK_M), N * Hq) for N packed sequences and the
     memory batch is 1; L and S are then the packed lengths.
@@ -376,9 +384,10 @@ def flash_fwd_kernel(
     seed = 0
     if DROPOUT:
         seed = load_seed(Seed)
-    vis_ptr = Vis
+    vis_ptr = Skip
+    n_blocks = (S + BLOCK_N - 1) // BLOCK_N
     if BLOCK_SKIP:
-        vis_ptr = Vis + b64 * stride_tb + h64 * stride_th + pid_m * stride_tm
+        vis_ptr = Skip + b64 * stride_tb + h64 * stride_th + pid_m * stride_tr
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_SINKS:
@@ -392,20 +401,20 @@ def flash_fwd_kernel(
     if HAS_SEGMENTS:
         if simple:
             acc, l_i, m_i = _fwd_stages(
-                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
-                stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
+                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
                 lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
                 dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
         else:
             acc, l_i, m_i = _fwd_stages(
-                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
-                stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+                acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
+                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
                 lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
                 dropout_p, HAS_BIAS, HAS_MASK, True, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
     else:
         acc, l_i, m_i = _fwd_stages(
-            acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr,
-            stride_kn, stride_vn, stride_bn, stride_mn, stride_tn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
+            acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
+            stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
             lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
             dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
 

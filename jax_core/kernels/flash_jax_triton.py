@@ -123,7 +123,7 @@ def _fwd_entry(
     BLOCK_DV: tl.constexpr,
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
-    stb: tl.constexpr, sth: tl.constexpr, stm: tl.constexpr, stn: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+    stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
 ):
     flash_fwd_kernel(
         Q, K, V, Bias, Mask, Sinks, Out, Lse,
@@ -132,7 +132,7 @@ def _fwd_entry(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, HAS_SINKS, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, stm, stn, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP,
     )
 
 
@@ -154,7 +154,7 @@ def _dkdv_entry(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
-    stb: tl.constexpr, sth: tl.constexpr, stm: tl.constexpr, stn: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+    stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
 ):
     flash_bwd_dkdv_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
@@ -164,7 +164,7 @@ def _dkdv_entry(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, stm, stn, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP,
     )
 
 
@@ -187,7 +187,7 @@ def _dq_entry(
     BLOCK_DV: tl.constexpr,
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
-    stb: tl.constexpr, sth: tl.constexpr, stm: tl.constexpr, stn: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+    stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
 ):
     flash_bwd_dq_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
@@ -197,7 +197,7 @@ def _dq_entry(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, stm, stn, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP,
     )
 
 
@@ -268,7 +268,7 @@ def _skip_tiles(q, v, bias, mask, cfg: FlashConfig) -> Optional[tuple[tuple[int,
     """(fine tile, its visibility table) when the kernels should skip masked tiles, else None.
 
     The fine tile divides the tiles of the forward and both backward kernels, so each kernel's
-    table is one `_fold` of it away (`_tile_table`).
+    table is one `_fold` of it away (`skip_table`).
     """
     if not cfg.skip_masked_blocks or (bias is None and mask is None) or cfg.varlen is not None:
         return None
@@ -279,13 +279,39 @@ def _skip_tiles(q, v, bias, mask, cfg: FlashConfig) -> Optional[tuple[tuple[int,
     return tile, visibility_tiles(bias, mask, tile)
 
 
-def _tile_table(skip, block_m: int, block_n: int) -> tuple[jax.Array, dict]:
-    """The visibility table at (block_m, block_n) tiles and its kernel arguments (Vis, strides)."""
-    if skip is None:
-        return _placeholder(jnp.int8), dict(stb=0, sth=0, stm=0, stn=0, BLOCK_SKIP=False)
+def skip_table(skip, block_m: int, block_n: int, l: int, s: int, along: str) -> jax.Array:
+    """The kernels' int32 skip table at (block_m, block_n) tiles.
+
+    Args:
+        skip: (fine tile, fine visibility table) from `_skip_tiles`.
+        block_m, block_n: the kernel's tiles. l, s: query and key lengths.
+        along: "k" for kernels that loop over key blocks per query block (forward, dQ), "q" for the
+            dK/dV kernel (loops over query blocks per key block).
+
+    Returns:
+        (B|1, Hq|1, R, 2 * C + 1) int32 with R the blocks of the grid's axis and C those of the loop's:
+        per row, C + 1 prefix counts of live blocks (entry c = live blocks before block c), then the
+        live blocks in ascending order (padded with the dead ones).
+    """
     (tm, tn), fine = skip
     table = _fold(_fold(fine, 2, block_m // tm), 3, block_n // tn)
-    return table, dict(zip(("stb", "sth", "stm", "stn"), _strides(table.shape, "BHTD")), BLOCK_SKIP=True)
+    table = jnp.broadcast_to(table, table.shape[:2] + (-(-l // block_m), -(-s // block_n)))
+    if along == "q":
+        table = jnp.swapaxes(table, 2, 3)
+    live = table != 0
+    counts = jnp.cumsum(live, axis=-1, dtype=jnp.int32)
+    counts = jnp.concatenate([jnp.zeros(counts.shape[:-1] + (1,), jnp.int32), counts], axis=-1)
+    order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
+    return jnp.concatenate([counts, order], axis=-1)
+
+
+def _skip_args(skip, block_m: int, block_n: int, l: int, s: int, along: str) -> tuple[jax.Array, dict]:
+    """The skip table input and its kernel arguments (a placeholder and BLOCK_SKIP=False without)."""
+    if skip is None:
+        return _placeholder(jnp.int32), dict(stb=0, sth=0, str_=0, BLOCK_SKIP=False)
+    table = skip_table(skip, block_m, block_n, l, s, along)
+    strides = _strides(table.shape, "BHTD")
+    return table, dict(stb=strides[0], sth=strides[1], str_=strides[2], BLOCK_SKIP=True)
 
 
 def _placeholder(dtype=jnp.float32) -> jax.Array:
@@ -387,7 +413,7 @@ def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, 
     rows, programs = _grid_rows(meta, extras, cfg, "q")
     if cfg.varlen is None:
         programs *= b
-    vis, vis_args = _tile_table(skip, block_m, block_n)
+    vis, vis_args = _skip_args(skip, block_m, block_n, l, meta["S"], "k")
     out, lse = jt.triton_call(
         q, k, v,
         bias if bias is not None else _placeholder(q.dtype),
@@ -425,7 +451,7 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_ta
     q_rows, q_programs = _grid_rows(meta, extras, cfg, "q")
     if cfg.varlen is None:
         k_programs, q_programs = k_programs * b, q_programs * b
-    kv_vis, kv_vis_args = _tile_table(skip, kv_m, kv_n)
+    kv_vis, kv_vis_args = _skip_args(skip, kv_m, kv_n, l, s, "q")
     dk, dv = jt.triton_call(
         q, k, v, *placeholders, dout, lse, delta, *extra_inputs, kv_vis,
         kernel=_dkdv_entry,
@@ -437,7 +463,7 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_ta
         **dict(zip(("sdvb", "sdvh", "sdvn", "sdvd"), _strides(v.shape, cfg.layout))),
     )
     ds_shape = (b, hq, l, s) if write_ds else (1,)
-    q_vis, q_vis_args = _tile_table(skip, q_m, q_n)
+    q_vis, q_vis_args = _skip_args(skip, q_m, q_n, l, s, "k")
     dq, ds = jt.triton_call(
         q, k, v, *placeholders, dout, lse, delta, *extra_inputs, q_vis,
         kernel=_dq_entry,
