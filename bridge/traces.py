@@ -1,0 +1,174 @@
+"""Traced and compiled JAX executables of `jax_op` functions, in one bounded LRU cache.
+
+A forward executable runs the function (under `jax.vjp` when gradients are wanted) and returns its
+outputs followed by the vjp residuals; `_Trace.plan` says how to rebuild the vjp from inputs,
+outputs and residuals, so the backward executable needs nothing else. Keys hold the function's
+name, its argument spec (a repr string), the inputs' shapes and dtypes and the JAX device.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .cache import LRUCache
+from .devices import to_jax_device
+from .dtypes import X64_DTYPES, to_jax_dtype, to_torch_dtype
+
+if TYPE_CHECKING:
+    from .torch_op import JaxOp
+
+CACHE = LRUCache(maxsize=256)
+
+
+@dataclasses.dataclass
+class Trace:
+    """One traced forward: its executable and how its residuals map back into a vjp."""
+
+    call: Callable[..., Any]  # compiled executable (None for a shape-only trace)
+    out_info: list  # ShapeDtypeStructs of outputs followed by residuals
+    n_out: int
+    plan: list  # per vjp leaf: ("in", i) | ("out", j) | ("res", r) | ("const", value)
+    treedef: Any
+    diff: tuple  # indices (into the op's tensor inputs) that are differentiated
+    out_type: Optional[type]  # tuple or list when the function returned a sequence, else None
+    out_sig: tuple = ()  # ((shape, torch dtype), ...) of out_info, as `signature` writes them
+
+
+class _NonFinite(ast.NodeTransformer):
+    """repr() writes non-finite floats as the names inf and nan; read them back as floats."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in ("inf", "nan"):
+            return ast.copy_location(ast.Constant(float(node.id)), node)
+        return node
+
+
+@functools.lru_cache(maxsize=1024)
+def parse(spec: str) -> tuple:
+    return ast.literal_eval(_NonFinite().visit(ast.parse(spec, mode="eval")))
+
+
+def needs_x64(dtypes: Sequence[torch.dtype]) -> bool:
+    return any(d in X64_DTYPES for d in dtypes)
+
+
+def signature(tensors: Sequence[torch.Tensor]) -> tuple:
+    """((shape, dtype), ...) of tensors: the shape part of cache keys."""
+    return tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tensors)
+
+
+def jax_device_of(tensors: Sequence[torch.Tensor]) -> Optional[jax.Device]:
+    """The JAX device of the first tensor, or None for devices JAX does not hold (meta)."""
+    return to_jax_device(tensors[0].device) if tensors and tensors[0].device.type in ("cpu", "cuda") else None
+
+
+def _avals(shapes_dtypes, device: Optional[jax.Device]):
+    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    return [jax.ShapeDtypeStruct(s, to_jax_dtype(d), sharding=sharding) for s, d in shapes_dtypes]
+
+
+def _build_forward(op: "JaxOp", spec: str, avals: list) -> Trace:
+    n_args, present, fulls, static, with_vjp = parse(spec)
+    static = dict(static)
+    info: dict[str, Any] = {}
+
+    def forward(*inputs):
+        diff = tuple(i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating)) if with_vjp else ()
+
+        def apply(*diff_values):
+            values = list(inputs)
+            for i, v in zip(diff, diff_values):
+                values[i] = v
+            args = [None] * n_args
+            for pos, v, full in zip(present, values, fulls):
+                args[pos] = v if full is None else jnp.broadcast_to(v, full)
+            return op.fn(*args, **static)
+
+        if with_vjp:
+            out, vjp = jax.vjp(apply, *(inputs[i] for i in diff))
+        else:  # inference: no residuals to compute or hand over
+            out, vjp = apply(), None
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if len(outs) != op.num_outputs or not all(isinstance(o, jax.Array) for o in outs):
+            raise TypeError(
+                f"jax_op {op.name!r}: the function returned {type(out).__name__} with {len(outs)} value(s); "
+                f"num_outputs={op.num_outputs} arrays were declared."
+            )
+        # An output that is an input would alias it in torch; give it its own buffer.
+        outs = [jnp.copy(o) if any(o is i for i in inputs) else o for o in outs]
+        leaves, treedef = jax.tree_util.tree_flatten(vjp)
+        plan, residuals = [], []
+        for leaf in leaves:
+            if not isinstance(leaf, jax.Array):
+                plan.append(("const", leaf))
+            elif any(leaf is x for x in inputs):
+                plan.append(("in", next(i for i, x in enumerate(inputs) if leaf is x)))
+            elif any(leaf is x for x in outs):
+                plan.append(("out", next(i for i, x in enumerate(outs) if leaf is x)))
+            elif any(leaf is x for x in residuals):
+                plan.append(("res", next(i for i, x in enumerate(residuals) if leaf is x)))
+            else:
+                plan.append(("res", len(residuals)))
+                residuals.append(leaf)
+        out_type = None if isinstance(out, jax.Array) else (list if isinstance(out, list) else tuple)
+        info.update(plan=plan, treedef=treedef, diff=diff, n_out=len(outs), out_type=out_type)
+        return outs + residuals
+
+    traced = jax.jit(forward).trace(*avals)
+    device_bound = avals and avals[0].sharding is not None
+    call = traced.lower().compile() if device_bound else None
+    out_info = list(traced.out_info)
+    out_sig = tuple((tuple(o.shape), to_torch_dtype(o.dtype)) for o in out_info)
+    return Trace(
+        call, out_info, info["n_out"], info["plan"], info["treedef"], info["diff"], info["out_type"], out_sig
+    )
+
+
+def forward_key(name: str, spec: str, shapes_dtypes: tuple, device: Optional[jax.Device]) -> tuple:
+    return ("fwd", name, spec, shapes_dtypes, device)
+
+
+def forward_trace(op: "JaxOp", spec: str, shapes_dtypes: tuple, device: Optional[jax.Device]) -> Trace:
+    """The cached forward trace (compiled when `device` is given; shapes only when None)."""
+    def build():
+        with jax.enable_x64(needs_x64([d for _, d in shapes_dtypes])):
+            return _build_forward(op, spec, _avals(shapes_dtypes, device))
+
+    return CACHE.get_or_build(forward_key(op.name, spec, shapes_dtypes, device), build)
+
+
+def _build_backward(trace: Trace, grad_spec: str, n_in: int, avals: list) -> Callable:
+    ct_present, needed = parse(grad_spec)
+    n_out, n_res = trace.n_out, len(trace.out_info) - trace.n_out
+
+    def backward(*arrays):
+        inputs, outs = arrays[:n_in], arrays[n_in : n_in + n_out]
+        residuals, given = arrays[n_in + n_out : n_in + n_out + n_res], arrays[n_in + n_out + n_res :]
+        sources = {"in": inputs, "out": outs, "res": residuals}
+        leaves = [value if kind == "const" else sources[kind][value] for kind, value in trace.plan]
+        vjp = jax.tree_util.tree_unflatten(trace.treedef, leaves)
+        cts = [jnp.zeros(o.shape, o.dtype) for o in trace.out_info[:n_out]]
+        for j, g in zip(ct_present, given):
+            cts[j] = g
+        grads = vjp(cts[0] if trace.out_type is None else trace.out_type(cts))
+        return [grads[trace.diff.index(i)] for i in needed]
+
+    return jax.jit(backward).trace(*avals).lower().compile()
+
+
+def backward_call(
+    name: str, spec: str, grad_spec: str, trace: Trace, n_in: int, sig: tuple, device: jax.Device
+) -> Callable:
+    """The cached backward executable for inputs + outputs + residuals + cotangents of `sig`."""
+    def build():
+        with jax.enable_x64(needs_x64([d for _, d in sig])):
+            return _build_backward(trace, grad_spec, n_in, _avals(sig, device))
+
+    return CACHE.get_or_build(("bwd", name, spec, grad_spec, sig, device), build)
