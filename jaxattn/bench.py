@@ -122,9 +122,14 @@ def all_impl_names() -> list[str]:
     return our_names() + list(TORCH_BACKENDS)
 
 
+#: Left out by default: "auto" runs one of the others; "ring" needs a device mesh with a sequence
+#: axis (multi-device), which a call through the torch API on one device does not have.
+NOT_BY_DEFAULT = ("auto", "ring")
+
+
 def default_impls() -> list[str]:
-    """Every implementation but "auto" (which runs one of the others)."""
-    return [n for n in all_impl_names() if n != "auto"]
+    """Every implementation but those of `NOT_BY_DEFAULT` (each can still be asked for with --impl)."""
+    return [n for n in all_impl_names() if n not in NOT_BY_DEFAULT]
 
 
 def _check_names(kind: str, values, allowed: Sequence[str], hint: str) -> list[str]:
@@ -212,19 +217,20 @@ def _context(impl: str, mode: str):
 
 def _classify(impl: str, exc: BaseException, caught: list, device: str) -> tuple[str, str]:
     """(status, reason) for a failed measurement: "unsupported" when the backend declined the call."""
+    from .bench_report import REASON_CHARS, short_reason
     from .jax_core.registry import ImplementationUnavailableError
 
     text = " ".join(str(exc).split())
     if isinstance(exc, (ImplementationUnavailableError, NotImplementedError)):
-        return "unsupported", text[:300]
+        return "unsupported", text[:REASON_CHARS]
     if impl in TORCH_BACKENDS and ("No available kernel" in text or "No viable backend" in text):
-        notes = [" ".join(str(w.message).split()) for w in caught]
+        notes = [n for n in (short_reason(w.message) for w in caught) if n]
         if device == "cpu" and impl in ("torch-efficient", "torch-cudnn"):
             notes.insert(0, "CUDA-only backend")
-        return "unsupported", ("; ".join(notes) or text)[:300]
+        return "unsupported", ("; ".join(notes) or text)[:REASON_CHARS]
     if "out of memory" in text.lower() or "RESOURCE_EXHAUSTED" in text:
         return "error", "out of memory"
-    return "error", f"{type(exc).__name__}: {text}"[:300]
+    return "error", f"{type(exc).__name__}: {text}"[:REASON_CHARS]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,6 +290,16 @@ def _impls_for(case: Case, impls: Sequence[str]) -> list[str]:
     return [n for n in impls if case.decode or n != "decode"]  # decode is a decoding-only API
 
 
+def _start_runtimes(device: str) -> None:
+    """Starts torch's and JAX's device runtimes, so that no first call pays for them."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    (torch.ones(8, device=device) * 2).sum().item()
+    jax.block_until_ready(jnp.ones(8) * 2)
+
+
 def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = None,
               dtypes: Optional[Sequence[str]] = None, fwd_only: bool = False, device: Optional[str] = None,
               out_dir: Optional[str] = None, plots: bool = True, max_minutes: Optional[float] = None,
@@ -332,6 +348,7 @@ def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = No
     start = time.perf_counter()
     run = _Run(device, plan, None if max_minutes is None else start + 60 * max_minutes, max_minutes)
     cells = list(_cells(plan, dtypes, explicit, modes))
+    _start_runtimes(device)
     meta = run_metadata(device, plan, impls, dtypes, modes, max_minutes)
     bar = Progress(sum(len(_impls_for(c, impls)) for c, _, _ in cells), enabled=progress)
     rows: list[dict] = []
@@ -396,8 +413,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sequence sweep, other shapes, small calls and decode (BENCHMARKS.md)")
     parser.set_defaults(preset="quick")
     parser.add_argument("--impl", action="append", type=_impl_arg, metavar="NAME",
-                        help="implementation to run (repeatable): ours (vanilla, sdpa, flash, decode, auto) or "
-                             "torch-math, torch-efficient, torch-flash, torch-cudnn; default all but auto")
+                        help="implementation to run (repeatable): ours (sdpa, flash, decode, vanilla, ring, auto) or "
+                             "torch-math, torch-efficient, torch-flash, torch-cudnn; default all but auto and ring")
     parser.add_argument("--dtype", action="append", type=_dtype_arg, metavar="DTYPE",
                         help="bfloat16/bf16, float16/fp16, float32/fp32 (repeatable); default the preset's")
     parser.add_argument("--out", metavar="DIR", help="write bench.csv, bench.json, summary.md and PNG plots here")

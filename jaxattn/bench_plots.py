@@ -27,8 +27,21 @@ def _ok(rows, pred):
     return [r for r in rows if r["status"] == "ok" and pred(r)]
 
 
+#: One colour per implementation in every plot (ours: blues, greens, orange; torch's: reds, purple, greys).
+COLORS = {
+    "sdpa": "#1f77b4", "flash": "#ff7f0e", "decode": "#2ca02c", "vanilla": "#17becf", "auto": "#bcbd22",
+    "torch-math": "#7f7f7f", "torch-efficient": "#9467bd", "torch-flash": "#8c564b", "torch-cudnn": "#d62728",
+}
+
+
+def _color(impl: str) -> str:
+    spare = ("#e377c2", "#393b79", "#637939", "#8c6d31")
+    return COLORS.get(impl, spare[sum(map(ord, impl)) % len(spare)])
+
+
 def _style(impl: str) -> dict:
-    return {"linestyle": "--" if impl.startswith("torch-") else "-", "marker": "o", "markersize": 4}
+    return {"linestyle": "--" if impl.startswith("torch-") else "-", "marker": "o", "markersize": 4,
+            "color": _color(impl)}
 
 
 def _title(meta: dict, what: str) -> str:
@@ -64,7 +77,7 @@ def plot_sweep(rows: Sequence[dict], meta: dict, path: str) -> bool:
     sample = picked[0]
     fig.suptitle(_title(meta, f"causal, H={sample['q_heads']}, D={sample['head_dim']}, B·L constant"), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
 
@@ -88,7 +101,7 @@ def _bars(rows: Sequence[dict], meta: dict, path: str, value: str, ylabel: str, 
                 if hit:
                     xs.append(g + (k - (len(impls) - 1) / 2) * width)
                     ys.append(hit[0][value])
-            ax.bar(xs, ys, width, label=impl, hatch="//" if impl.startswith("torch-") else None)
+            ax.bar(xs, ys, width, label=impl, color=_color(impl), hatch="//" if impl.startswith("torch-") else None)
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels([f"{c}\n{m}" for c, m in groups], fontsize=7)
         if log:
@@ -96,10 +109,10 @@ def _bars(rows: Sequence[dict], meta: dict, path: str, value: str, ylabel: str, 
         ax.set_ylabel(ylabel)
         ax.set_title(SHORT.get(dtype, dtype))
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(_title(meta, what), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
 

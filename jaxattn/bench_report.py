@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -20,6 +21,7 @@ COLUMNS = (
     "vs_torch_best", "torch_best", "iters", "repeats",
 )
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+REASON_CHARS = 300  # reasons are stored up to this length
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -211,13 +213,26 @@ def markdown_summary(rows: Sequence[dict], meta: dict) -> str:
     reasons = {}
     for r in rows:
         if r["status"] != "ok":
-            reasons.setdefault((r["impl"], r["status"], r["reason"]), []).append(r["case"])
+            reasons.setdefault((r["impl"], r["status"], short_reason(r["reason"])), []).append(r["case"])
     if reasons:
         lines += ["Not run (n/a above; columns where nothing ran are left out):", ""]
         for (impl, status, reason), cases in reasons.items():
             lines.append(f"- {impl}, {status} in {len(cases)} cell(s): {reason}")
         lines.append("")
     return "\n".join(lines)
+
+
+def short_reason(text: str) -> str:
+    """A reason without torch's source locations and per-shape size lists (so that equal reasons group)."""
+    cut = len(str(text)) >= REASON_CHARS
+    text = " ".join(str(text).split())
+    if cut:  # cut by the recorder: drop the broken last sentence
+        text = text[:text.rfind(". ") + 1] or text
+    text = re.sub(r"\s*\(Triggered internally at [^)]*\)\.?", "", text)
+    text = re.sub(r"\s*\w+[ .]sizes\(\): \[[0-9, ]*\],?", "", text)
+    text = re.sub(r"\[[0-9, ]*\]", "[...]", text)
+    text = re.sub(r"[^.;]*\bnot used because:\s*;?\s*", "", text)  # a header line before the real reason
+    return text.strip(" ;")
 
 
 def _clean(value):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from jaxattn import cli
-from jaxattn.bench import Case, Preset, _measure_row, _Run, run_bench
+from jaxattn.bench import Case, Preset, _measure_row, _Run, default_impls, run_bench
 from jaxattn.bench_report import COLUMNS
 from jaxattn.bench_timing import Clock, attention_flops, decode_bytes, measure, visible_pairs
 
@@ -86,11 +86,9 @@ def test_measure_rejects_bad_settings():
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     stdout, stderr = io.StringIO(), io.StringIO()
-    t0 = time.perf_counter()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = cli.main(["bench", "--quick", "--device", "cpu", "--out", str(out)])
-    return {"status": status, "out": out, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
-            "seconds": time.perf_counter() - t0}
+    return {"status": status, "out": out, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
 
 
 def _csv_rows(out):
@@ -101,7 +99,6 @@ def _csv_rows(out):
 
 def test_quick_run_writes_csv_and_json_with_the_columns(quick_run):
     assert quick_run["status"] == 0
-    assert quick_run["seconds"] < 45
     fields, rows = _csv_rows(quick_run["out"])
     assert tuple(fields) == COLUMNS
     data = json.loads((quick_run["out"] / "bench.json").read_text())
@@ -109,6 +106,9 @@ def test_quick_run_writes_csv_and_json_with_the_columns(quick_run):
     assert {"torch", "jax", "jaxattn"} <= set(data["meta"]["versions"])
     assert len(data["rows"]) == len(rows) > 0
     assert all(tuple(r) == COLUMNS for r in data["rows"])
+    assert {r["impl"] for r in data["rows"]} == set(default_impls())
+    assert {"sdpa", "flash", "decode", "vanilla", "torch-math", "torch-cudnn"} <= set(default_impls())
+    assert "auto" not in default_impls()
     # Every cell of the plan ran: forward and forward+backward for prefill, forward for decode.
     assert {(r["group"], r["mode"]) for r in data["rows"]} == {
         ("sweep", "fwd"), ("sweep", "fwd+bwd"), ("small", "fwd"), ("small", "fwd+bwd"), ("decode", "fwd")}
