@@ -371,8 +371,9 @@ def ring_attention(
         kernel = default_kernel(_platform(query))
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS} or None.")
-    unit = rl.length_multiple(n, layout)
-    tp, sp = rl.padded_length(t, n, layout), rl.padded_length(s, n, layout)
+    natural = not inputs_in_layout
+    unit = rl.length_multiple(n, layout, natural)
+    tp, sp = rl.padded_length(t, n, layout, natural), rl.padded_length(s, n, layout, natural)
     if inputs_in_layout and (tp != t or sp != s):
         raise ValueError(f"inputs_in_layout=True: T={t} and S={s} must be multiples of {unit} for layout={layout!r} "
                          f"on {n} devices (pad them, or pass natural-order inputs).")

@@ -52,9 +52,13 @@ def _check(length: int, n: int, layout: str) -> None:
                          "pad the sequence first.")
 
 
-def length_multiple(n: int, layout: str) -> int:
-    """The sequence lengths a layout accepts are multiples of this."""
-    return 2 * n if layout == "zigzag" else n
+def length_multiple(n: int, layout: str, from_natural_shards: bool = False) -> int:
+    """The sequence lengths a layout accepts are multiples of this. `from_natural_shards`: the
+    sequence arrives as natural contiguous shards and is permuted with collectives
+    (`to_layout_sharded`), which for striped needs n tokens of each shard per device (n * n)."""
+    if layout == "zigzag":
+        return 2 * n
+    return n * n if layout == "striped" and from_natural_shards else n
 
 
 def layout_permutation(length: int, n: int, layout: Layout) -> np.ndarray:
@@ -107,6 +111,9 @@ def to_layout_sharded(x: jax.Array, axis_name: str, n: int, layout: Layout, axis
         return x
     local = x.shape[axis]
     if layout == "striped":  # token a*n + m of the shard goes to device m, at local row (r*local + a*n + m) // n
+        if local % n:
+            raise ValueError(f"striped from natural shards needs shard lengths that are multiples of n={n}, "
+                             f"got {local} (a sequence length that is a multiple of n * n = {n * n}).")
         parts = x.reshape(*x.shape[:axis], local // n, n, *x.shape[axis + 1:])
         moved = jax.lax.all_to_all(parts, axis_name, split_axis=axis + 1, concat_axis=axis + 1, tiled=False)
         # moved[..., a, r, ...] = token a*n + m of device r's shard: striped local index r * local/n + a
@@ -306,6 +313,6 @@ def default_layout(causal: bool, sliding_window: Optional[tuple[int, int]]) -> L
     return "zigzag" if causal and sliding_window is None else "contiguous"
 
 
-def padded_length(length: int, n: int, layout: Layout) -> int:
-    unit = length_multiple(n, layout)
+def padded_length(length: int, n: int, layout: Layout, from_natural_shards: bool = False) -> int:
+    unit = length_multiple(n, layout, from_natural_shards)
     return math.ceil(length / unit) * unit

@@ -1,0 +1,271 @@
+"""Ring attention (jax_core/ring.py, ring_layout.py) on 4 and 8 simulated CPU devices.
+
+Oracle: the float64 torch reference (tests/attention_reference.py) for outputs, LSE and gradients;
+single-device `vanilla` is checked too. The GPU block kernels (Triton) run here under Triton's
+interpreter through the jax-triton stand-in (tests/jax_triton_interpret.py).
+"""
+
+import importlib.util
+import pathlib
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from attention_reference import reference
+
+from jaxattn.jax_core import AttentionMetadata, AttentionRegistry, PartitionAxis, attention, ring_attention
+from jaxattn.jax_core import ring_layout as rl
+from jaxattn.jax_core.capabilities import AttentionInputs
+
+pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 simulated CPU devices (conftest.py)")
+
+
+def _mesh(n, names=("sp",), shape=None):
+    devices = np.array(jax.devices("cpu")[:n]).reshape(shape or (n,))
+    return Mesh(devices, names)
+
+
+def _rand(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def _j(t):
+    return jnp.asarray(t.transpose(1, 2).numpy().astype(np.float32))
+
+
+def _t(x):
+    return torch.from_numpy(np.asarray(x, dtype=np.float64)).transpose(1, 2)
+
+
+def _close(got, want, tol):
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want), atol=tol, rtol=tol)
+
+
+def _case(seed, b, hq, hk, t, s, d, segments=False, sinks=False):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = _rand(gen, b, hq, t, d), _rand(gen, b, hk, s, d), _rand(gen, b, hk, s, d)
+    cot = _rand(gen, b, hq, t, d)
+    seg = None
+    if segments:
+        seg = (torch.randint(0, 3, (b, t), generator=gen), torch.randint(0, 3, (b, s), generator=gen))
+    aux = _rand(gen, hq) if sinks else None
+    return q, k, v, cot, seg, aux
+
+
+def _oracle(q, k, v, cot, seg, aux, **kw):
+    q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
+    mask = None if seg is None else seg[0][:, None, :, None] == seg[1][:, None, None, :]
+    out, lse = reference(q, k, v, mask=mask, sinks=aux, **kw)
+    (out * cot).sum().backward()
+    return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
+
+
+def _check_ring(n, *, layout=None, causal=False, window=None, softcap=None, kernel="xla", seed=0, b=2, hq=4, hk=2,
+                t=64, s=None, d=16, segments=False, sinks=False, tol=3e-5):
+    s = s or t
+    q, k, v, cot, seg, aux = _case(seed, b, hq, hk, t, s, d, segments, sinks)
+    out_ref, lse_ref, grads_ref = _oracle(q, k, v, cot, seg, aux, causal=causal, window=window, softcap=softcap)
+    mesh = _mesh(n)
+    seg_j = None if seg is None else tuple(jnp.asarray(x.numpy(), jnp.int32) for x in seg)
+    aux_j = None if aux is None else jnp.asarray(aux.numpy(), jnp.float32)
+
+    def f(q_, k_, v_):
+        return ring_attention(q_, k_, v_, mesh=mesh, causal=causal, sliding_window=window, logits_soft_cap=softcap,
+                              segment_ids=seg_j, softmax_aux=aux_j, layout=layout, kernel=kernel, chunk_q=16,
+                              chunk_k=16, return_lse=True)
+
+    qj, kj, vj = _j(q), _j(k), _j(v)
+    out, lse = f(qj, kj, vj)
+    _close(_t(out), out_ref, tol)
+    finite = torch.isfinite(lse_ref)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite.numpy())
+    _close(np.where(finite.numpy(), np.asarray(lse), 0), torch.where(finite, lse_ref, 0), tol)
+    grads = jax.grad(lambda *a: jnp.sum(f(*a)[0] * _j(cot)), argnums=(0, 1, 2))(qj, kj, vj)
+    for g, gr in zip(grads, grads_ref):
+        _close(_t(g), gr, 2 * tol)
+    return out, grads
+
+
+# --- outputs and gradients equal single-device attention --------------------------------------------
+
+
+@pytest.mark.parametrize("n,layout,causal", [
+    (4, "zigzag", True),
+    (4, "striped", True),
+    (4, "contiguous", True),  # uneven work: device r computes r + 1 of the 4 blocks
+    (4, "contiguous", False),
+    (8, "zigzag", True),
+    (8, "contiguous", False),
+])
+def test_ring_matches_reference(n, layout, causal):
+    out, grads = _check_ring(n, layout=layout, causal=causal, seed=n + len(layout), t=16 * n)
+    if n == 4 and layout == "zigzag":  # and single-device vanilla on the same inputs
+        q, k, v, cot, _, _ = _case(n + len(layout), 2, 4, 2, 64, 64, 16)
+        ref = attention(_j(q), _j(k), _j(v), causal=True, implementation="vanilla").attention_outputs
+        _close(out, ref, 2e-5)
+
+
+def test_ring_gqa_awkward_lengths_and_features():
+    """T=97 (padded to a multiple of 2n), MQA, head dim 80, window, soft cap, segment ids, sinks."""
+    _check_ring(4, layout="zigzag", causal=True, window=(9, -1), softcap=3.0, segments=True, sinks=True, seed=5,
+                b=1, hq=4, hk=1, t=97, d=80)
+
+
+def test_ring_cross_attention_uneven_lengths_and_bidirectional_window():
+    _check_ring(4, causal=False, t=40, s=52, seed=6, hq=6, hk=3)  # padded keys hidden by segment ids
+    _check_ring(8, layout="striped", causal=False, window=(5, 3), segments=True, t=64, seed=7)
+
+
+def test_ring_triton_block_kernels_under_interpreter(monkeypatch):
+    """The GPU path (Triton flash kernels as block kernels, float32 partials) on 2 and 4 devices."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import jax_triton_interpret
+
+    lock = threading.Lock()  # one interpreted kernel at a time across the simulated devices
+
+    class Locked:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                with lock:
+                    return launch(*args, **kwargs)
+            return run
+
+    module = jax_triton_interpret.module()
+    module.triton_call = lambda *a, kernel, **kw: jax_triton_interpret.triton_call(*a, kernel=Locked(kernel), **kw)
+    monkeypatch.setitem(sys.modules, "jax_triton", module)
+    _check_ring(2, layout="zigzag", causal=True, kernel="triton", b=1, t=64, seed=8, tol=5e-5)
+    _check_ring(4, layout="striped", causal=True, window=(5, -1), softcap=2.0, segments=True, kernel="triton", b=1,
+                t=64, seed=9, tol=5e-5)
+
+
+# --- layouts ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", rl.LAYOUTS)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_layout_round_trips(layout, n):
+    length = 2 * n * n
+    perm = rl.layout_permutation(length, n, layout)
+    assert sorted(perm.tolist()) == list(range(length))
+    np.testing.assert_array_equal(perm[rl.inverse_permutation(perm)], np.arange(length))
+    x = jnp.arange(2 * length * 3).reshape(2, length, 3)
+    np.testing.assert_array_equal(rl.from_layout(rl.to_layout(x, n, layout), n, layout), x)
+    for d in range(n):
+        np.testing.assert_array_equal(rl.shard_positions(layout, n, length // n, d),
+                                      perm[d * length // n:(d + 1) * length // n])
+    mesh = _mesh(n)
+    spec = P(None, "sp")
+    to = jax.jit(jax.shard_map(lambda a: rl.to_layout_sharded(a, "sp", n, layout), mesh=mesh, in_specs=spec,
+                               out_specs=spec))
+    back = jax.jit(jax.shard_map(lambda a: rl.from_layout_sharded(a, "sp", n, layout), mesh=mesh, in_specs=spec,
+                                 out_specs=spec))
+    moved = to(x)
+    np.testing.assert_array_equal(moved, rl.to_layout(x, n, layout))
+    np.testing.assert_array_equal(back(moved), x)
+
+
+def test_zigzag_example_and_errors():
+    np.testing.assert_array_equal(rl.layout_permutation(8, 2, "zigzag"), [0, 1, 6, 7, 2, 3, 4, 5])
+    np.testing.assert_array_equal(rl.layout_permutation(8, 2, "striped"), [0, 2, 4, 6, 1, 3, 5, 7])
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        rl.layout_permutation(12, 4, "zigzag")
+    with pytest.raises(ValueError, match="layout='spiral'"):
+        rl.layout_permutation(8, 2, "spiral")
+
+
+def test_causal_work_is_balanced_and_masked_steps_are_skipped():
+    causal = rl.rule_for(True, None)
+    assert len(set(rl.work_per_device(4, "zigzag", 64, 64, causal))) == 1
+    striped = rl.work_per_device(4, "striped", 64, 64, causal)
+    assert max(striped) - min(striped) <= 64 * 4  # differs by at most one diagonal per step
+    contiguous = rl.work_per_device(4, "contiguous", 64, 64, causal)
+    assert contiguous == sorted(contiguous) and contiguous[0] < contiguous[-1]
+    # contiguous: a device never computes a block that lies wholly in its future
+    for t in range(1, 4):
+        plan = rl.plan_step(t, 4, "contiguous", 64, 64, causal)
+        for r in range(4):
+            assert (plan.branches[plan.index[r]] == ()) == (r < t)
+    # zigzag: after step 0 each device computes exactly half a block, as one kernel call
+    for t in range(1, 4):
+        plan = rl.plan_step(t, 4, "zigzag", 64, 64, causal)
+        for pieces in plan.branches:
+            assert len(pieces) == 1 and pieces[0].q_len * pieces[0].k_len == 64 * 32 and pieces[0].band == (None, None)
+
+
+def test_inputs_in_layout_and_no_full_sequence_on_a_device():
+    n, t = 4, 64
+    q, k, v, cot, _, _ = _case(11, 1, 2, 2, t, t, 8)
+    mesh = _mesh(n)
+    sharding = NamedSharding(mesh, P(None, "sp", None, None))
+    qj, kj, vj = (jax.device_put(_j(x), sharding) for x in (q, k, v))
+    natural = ring_attention(qj, kj, vj, mesh=mesh, causal=True)
+    assert natural.sharding.spec == P(None, "sp", None, None)
+    permuted = [rl.to_layout(x, n, "zigzag") for x in (qj, kj, vj)]
+    out = ring_attention(*permuted, mesh=mesh, causal=True, layout="zigzag", inputs_in_layout=True)
+    _close(rl.from_layout(out, n, "zigzag"), natural, 1e-6)
+    with pytest.raises(ValueError, match="inputs_in_layout=True: T=60 and S=60 must be multiples of 8"):
+        ring_attention(qj[:, :60], kj[:, :60], vj[:, :60], mesh=mesh, causal=True, inputs_in_layout=True)
+
+    def loss(q_, k_, v_):
+        return jnp.sum(ring_attention(q_, k_, v_, mesh=mesh, causal=True) * _j(cot))
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qj, kj, vj).compile().as_text()
+    # blocks move by collective-permute; nothing gathers the sequence onto one device
+    assert "collective-permute" in hlo and "all-gather" not in hlo
+
+
+# --- the registered implementation -----------------------------------------------------------------
+
+
+def test_ring_selected_by_sequence_axis_and_batch_sharding():
+    mesh = _mesh(8, ("dp", "sp"), (2, 4))
+    md = AttentionMetadata(mesh=mesh, partition_axis=PartitionAxis(batch_axis="dp", head_axis="tp"))
+    q, k, v, _, _, _ = _case(12, 2, 4, 2, 64, 64, 16)
+    inputs = AttentionInputs.from_arrays(_j(q), _j(k), _j(v), platform="cpu", backend="cpu", causal=True)
+    assert AttentionRegistry.select(inputs, md).canonical_name() == "ring"
+    assert AttentionRegistry.select(inputs, AttentionMetadata()).canonical_name() != "ring"
+    out = attention(_j(q), _j(k), _j(v), causal=True, metadata=md, return_lse=True)
+    ref, lse_ref = reference(q, k, v, causal=True)
+    _close(_t(out.attention_outputs), ref, 2e-5)
+    _close(out.lse, lse_ref, 2e-5)
+
+
+def test_ring_refuses_what_it_cannot_do():
+    q = jnp.ones((1, 16, 2, 8))
+    md = AttentionMetadata(mesh=_mesh(4))
+    with pytest.raises(ValueError, match="ring needs metadata.mesh"):
+        attention(q, q, q, implementation="ring")
+    with pytest.raises(ValueError, match="sequence_axis_name='seq' is not an axis"):
+        attention(q, q, q, implementation="ring", metadata=md.replace(sequence_axis_name="seq"))
+    with pytest.raises(ValueError, match="feature 'bias' not supported"):
+        attention(q, q, q, bias=jnp.zeros((1, 2, 16, 16)), implementation="ring", metadata=md)
+    with pytest.raises(ValueError, match="causal needs q_len == kv_len"):
+        attention(q, q[:, :8], q[:, :8], causal=True, implementation="ring", metadata=md)
+    with pytest.raises(ValueError, match="layout='diagonal'"):
+        ring_attention(q, q, q, mesh=md.mesh, layout="diagonal")
+    with pytest.raises(ValueError, match="axis_name='ring' is not an axis"):
+        ring_attention(q, q, q, mesh=md.mesh, axis_name="ring")
+    with pytest.raises(ValueError, match="kernel='pallas'"):
+        ring_attention(q, q, q, mesh=md.mesh, kernel="pallas")
+
+
+def test_example_runs_small():
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "ring_simulated.py"
+    spec = importlib.util.spec_from_file_location("ring_simulated", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    errors = example.main(devices=4, seq=256, heads=4, kv_heads=2, head_dim=32, verbose=False)
+    assert max(errors.values()) < 1e-4
