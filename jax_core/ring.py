@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -350,6 +350,84 @@ def ring_attention(
         ValueError: malformed shapes, an unknown layout or kernel, a mask that needs T == S, or
             lengths that do not fit the layout with `inputs_in_layout`.
     """
+    prep = _prepare(query, key, value, mesh=mesh, axis_name=axis_name, causal=causal, sliding_window=sliding_window,
+                    logits_soft_cap=logits_soft_cap, segment_ids=segment_ids, scale=scale, layout=layout,
+                    inputs_in_layout=inputs_in_layout, kernel=kernel, batch_axis=batch_axis, head_axis=head_axis,
+                    chunk_q=chunk_q, chunk_k=chunk_k)
+    t, tp, sp = query.shape[1], prep.tp, prep.sp
+    out, lse = _sharded_ring(mesh, prep.cfg, prep.batch, prep.head, not inputs_in_layout)(
+        _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), prep.q_seg, prep.k_seg)
+    out, lse = out[:, :t], lse[:, :, :t]
+    if softmax_aux is not None:
+        out, lse = _with_sinks(out, lse, softmax_aux)
+    return (out, lse) if return_lse else out
+
+
+def ring_attention_backward(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    dlse: Optional[jax.Array] = None,
+    *,
+    mesh: Mesh,
+    axis_name: str = "sp",
+    causal: bool = False,
+    sliding_window: Optional[tuple[int, int]] = None,
+    logits_soft_cap: Optional[float] = None,
+    segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
+    scale: Optional[float] = None,
+    layout: Optional[str] = None,
+    inputs_in_layout: bool = False,
+    kernel: Optional[str] = None,
+    batch_axis: Any = None,
+    head_axis: Optional[str] = None,
+    chunk_q: int = 512,
+    chunk_k: int = 512,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of `ring_attention` from its saved output and LSE, without recomputing the forward.
+
+    Args:
+        query, key, value: the forward's inputs.
+        out, lse: the forward's (B, T, Hq, Dv) output and (B, Hq, T) LSE (`return_lse=True`;
+            without `softmax_aux`).
+        dout: (B, T, Hq, Dv) output cotangent. dlse: (B, Hq, T) LSE cotangent, or None (zero).
+        Other arguments: exactly as given to `ring_attention`.
+
+    Returns:
+        (dquery, dkey, dvalue) in the inputs' dtypes and shardings.
+    """
+    prep = _prepare(query, key, value, mesh=mesh, axis_name=axis_name, causal=causal, sliding_window=sliding_window,
+                    logits_soft_cap=logits_soft_cap, segment_ids=segment_ids, scale=scale, layout=layout,
+                    inputs_in_layout=inputs_in_layout, kernel=kernel, batch_axis=batch_axis, head_axis=head_axis,
+                    chunk_q=chunk_q, chunk_k=chunk_k)
+    t, s, tp, sp = query.shape[1], key.shape[1], prep.tp, prep.sp
+    if dlse is None:
+        dlse = jnp.zeros(lse.shape, lse.dtype)
+    # Padded query rows get lse = -inf and zero cotangents: they contribute nothing.
+    pad_rows = lambda x, value=0: jnp.pad(x, [(0, 0), (0, 0), (0, tp - t)], constant_values=value)  # noqa: E731
+    grads = _sharded_ring_backward(mesh, prep.cfg, prep.batch, prep.head, not inputs_in_layout)(
+        _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), prep.q_seg, prep.k_seg,
+        _pad_seq(out, tp), pad_rows(lse, -jnp.inf), _pad_seq(dout, tp), pad_rows(dlse))
+    dq, dk, dv = grads
+    return dq[:, :t], dk[:, :s], dv[:, :s]
+
+
+class _Prepared(NamedTuple):
+    cfg: RingConfig
+    tp: int
+    sp: int
+    q_seg: Optional[jax.Array]
+    k_seg: Optional[jax.Array]
+    batch: Any
+    head: Any
+
+
+def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logits_soft_cap, segment_ids, scale,
+             layout, inputs_in_layout, kernel, batch_axis, head_axis, chunk_q, chunk_k) -> _Prepared:
+    """Checks a ring call and derives its static config, padded lengths and segment ids."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: expected a jax.sharding.Mesh.")
     if axis_name not in mesh.axis_names:
@@ -390,13 +468,8 @@ def ring_attention(
         softcap=None if logits_soft_cap is None else float(logits_soft_cap), kernel=kernel,
         chunk_q=chunk_q, chunk_k=chunk_k, fast_tanh=kernel == "triton" and jnp.dtype(query.dtype).itemsize < 4,
     )
-    batch, head = _mesh_axis(mesh, batch_axis), _mesh_axis(mesh, head_axis)
-    out, lse = _sharded_ring(mesh, cfg, batch, head, not inputs_in_layout)(
-        _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), q_seg, k_seg)
-    out, lse = out[:, :t], lse[:, :, :t]
-    if softmax_aux is not None:
-        out, lse = _with_sinks(out, lse, softmax_aux)
-    return (out, lse) if return_lse else out
+    return _Prepared(cfg, tp, sp, q_seg, k_seg, _mesh_axis(mesh, batch_axis), _mesh_axis(mesh, head_axis))
+
 
 
 def _platform(x) -> str:
@@ -439,6 +512,34 @@ def _sharded_ring(mesh: Mesh, cfg: RingConfig, batch, head, permute: bool):
         fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, *segs),
                            out_specs=(qkv_spec, P(batch, head, axis)), check_vma=False)
         return fn(q, k, v, q_seg, k_seg)
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_ring_backward(mesh: Mesh, cfg: RingConfig, batch, head, permute: bool):
+    """The jitted shard_map of the ring backward from saved (out, lse) (cached per static setting)."""
+    n, layout, axis = cfg.n, cfg.layout, cfg.axis_name
+    qkv_spec, seg_spec, row_spec = P(batch, axis, head, None), P(batch, axis), P(batch, head, axis)
+
+    def body(q, k, v, q_seg, k_seg, out, lse, do, dlse):
+        to = functools.partial(rl.to_layout_sharded, axis_name=axis, n=n, layout=layout)
+        back = functools.partial(rl.from_layout_sharded, axis_name=axis, n=n, layout=layout)
+        if permute:
+            q, k, v, out, do = (to(x) for x in (q, k, v, out, do))
+            lse, dlse = (to(x, axis=2) for x in (lse, dlse))
+            if q_seg is not None:
+                q_seg, k_seg = (to(x) for x in (q_seg, k_seg))
+        dq, dk, dv, _, _ = _ring_vjp_bwd(cfg, (q, k, v, q_seg, k_seg, out, lse), (do, dlse))
+        if permute:
+            dq, dk, dv = (back(x) for x in (dq, dk, dv))
+        return dq, dk, dv
+
+    def run(q, k, v, q_seg, k_seg, out, lse, do, dlse):
+        segs = (None, None) if q_seg is None else (seg_spec, seg_spec)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv_spec,) * 3 + segs + (qkv_spec, row_spec, qkv_spec, row_spec),
+                           out_specs=(qkv_spec,) * 3, check_vma=False)
+        return fn(q, k, v, q_seg, k_seg, out, lse, do, dlse)
 
     return jax.jit(run)
 
