@@ -209,13 +209,44 @@ def sweep(shapes, copy_gbps):
     return rows
 
 
+def balance(copy_gbps):
+    """Split counts x split rule (fixed-size shares vs per-sequence equal shares), JAX level."""
+    rows = []
+    for b, s, ragged in [(8, 32768, True), (32, 8192, True), (8, 32768, False)]:
+        gen = torch.Generator(device="cuda").manual_seed(b * s)
+        if ragged:
+            lengths = torch.randint(s // 8, s + 1, (b,), generator=gen, device="cuda", dtype=torch.int32)
+        else:
+            lengths = torch.full((b,), s, dtype=torch.int32, device="cuda")
+        q, k_bhsd, v_bhsd, _ = make_inputs(b, s, lengths, gen)
+        k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+        del k_bhsd, v_bhsd
+        qj, kj, vj, nj = to_jax([q, k, v, lengths])
+        for fixed in (False, True):
+            for splits in (None, 8, 16, 32, 64):
+                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", num_splits=splits, fixed_shares=fixed)
+                fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
+                us = time_jax(lambda: fn(qj, kj, vj, nj), iters=30)
+                gbps = kv_bytes(lengths) / us / 1e3
+                rows.append({"B": b, "S": s, "ragged": ragged, "fixed_shares": fixed, "splits": splits, "us": us,
+                             "frac_of_copy": gbps / copy_gbps})
+                print(json.dumps(rows[-1]), flush=True)
+        del q, k, v, qj, kj, vj
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweep", action="store_true", help="also sweep tiles and split counts")
     parser.add_argument("--only-sweep", action="store_true", help="only the sweep")
+    parser.add_argument("--balance", action="store_true",
+                        help="only compare split rules (fixed-size vs per-sequence shares) and counts")
     args = parser.parse_args()
     copy = copy_bandwidth()
+    if args.balance:
+        print(json.dumps({"copy": copy, "balance": balance(copy["copy_gbps"])}, indent=1))
+        return
     shapes = [(32, 8192, False), (8, 32768, False), (32, 8192, True), (8, 32768, True), (1, 4096, False)]
     if args.only_sweep:
         print(json.dumps({"copy": copy, "sweep": sweep(shapes, copy["copy_gbps"])}, indent=1))

@@ -90,6 +90,29 @@ def test_split_and_merge_kernels(layout, groups, t, splits, window, softcap, sin
     _check(out, lse, q, k, v, window=window, softcap=softcap, sinks=sink_logits if sinks else None)
 
 
+@pytest.mark.parametrize("layout,splits,window", [("BSHD", 3, None), ("paged", 4, 12)])
+def test_per_sequence_shares(layout, splits, window):
+    """The other split rule (each sequence cut into `splits` equal shares) stays correct."""
+    _, q, k, v, kc, vc, table, _ = _case(7 + splits, 4, 2, layout)
+    cfg = DecodeConfig(scale=D ** -0.5, window=(window if window is not None else -1, -1),
+                       cache_layout=layout, num_splits=splits, tiles=(16, 4, 2), fixed_shares=False)
+    out, lse = decode_attention_triton(_j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS),
+                                       None if table is None else _j(table), None, cfg)
+    _check(out, lse, q, k, v, window=window)
+
+
+def test_share_blocks_cover_every_visible_block():
+    from jaxattn.jax_core.kernels.decode_jax_triton import share_blocks
+    # full caches: the capacity's blocks over the shares (plus one block of slack)
+    assert share_blocks(1024, 1, (-1, -1), True, 64, 4) == 5
+    # a causal window: the window's span, not the capacity
+    assert share_blocks(32768, 1, (1000, -1), True, 64, 2) <= 10
+    for cap, t, win, bn, splits in [(1000, 4, (37, -1), 16, 3), (513, 1, (-1, -1), 64, 7), (4096, 16, (100, 0), 32, 5)]:
+        shares = share_blocks(cap, t, win, True, bn, splits)
+        span = cap if win[0] < 0 else min(cap, win[0] + t)
+        assert shares * splits * bn >= span + bn  # any span, at any alignment, fits in the shares
+
+
 def test_through_decode_attention_with_gradients():
     """jax_core.decode_attention on the GPU path: BHTD queries, paged cache, every feature, and the
     custom JVP (gradients from the XLA formulation) against float64 torch autograd."""

@@ -42,6 +42,9 @@ class DecodeConfig:
         num_splits: key-range shares per sequence (split-K); None: `num_splits_for`.
         tiles: (BLOCK_N, num_warps, num_stages) override; None: `decode_tiles`.
         num_sms: multiprocessors the split heuristic fills; None: asks the device (132 if unknown).
+        fixed_shares: every sequence's keys are cut into shares of the size a full-length sequence
+            gets (`share_blocks`), so a short sequence keeps fewer programs busy instead of giving
+            each less work; False: each sequence splits its own keys into NUM_SPLITS equal shares.
     """
 
     scale: float
@@ -55,6 +58,7 @@ class DecodeConfig:
     num_splits: Optional[int] = None
     tiles: Optional[tuple[int, int, int]] = None
     num_sms: Optional[int] = None
+    fixed_shares: bool = True
 
 
 def _next_pow2(n: int) -> int:
@@ -89,6 +93,18 @@ def num_splits_for(programs: int, key_blocks: int, num_sms: int) -> int:
     (B=8, S=32768) full, where 2 shares were 5% faster than the 9 chosen here.)"""
     want = -(-4 * num_sms // max(programs, 1))
     return int(max(1, min(want, -(-key_blocks // 4), 64)))
+
+
+def share_blocks(capacity: int, t: int, window: tuple[int, int], causal: bool, block_n: int,
+                 num_splits: int) -> int:
+    """Key blocks per share when shares have a fixed size: the most blocks any sequence can see
+    (the capacity, or the window's span), divided among `num_splits` programs."""
+    left, right = window
+    span = capacity
+    if left >= 0 and (causal or right >= 0):
+        span = min(capacity, left + t + (0 if causal else right) + block_n)
+    max_blocks = -(-span // block_n) + 1
+    return -(-max_blocks // num_splits)
 
 
 def _device_sms() -> int:
@@ -146,6 +162,7 @@ def _split_entry(
     CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SHARE_BLOCKS: tl.constexpr,
 ):
     decode_split_kernel(
         Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
@@ -153,7 +170,7 @@ def _split_entry(
         sob, sot, soh, sosplit, sod, slb, slt, slh, slsplit,
         scale, softcap, window_left, window_right, pos_shift, T, G, Hkv, D, Dv, capacity,
         CAUSAL, HAS_STARTS, PAGED, PAGE_SIZE, HAS_SINKS, SOFTCAP, FAST_TANH, NUM_SPLITS,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SHARE_BLOCKS,
     )
 
 
@@ -253,6 +270,8 @@ def decode_attention_triton(
         PAGE_SIZE=max(page_size, 1), HAS_SINKS=sinks is not None, SOFTCAP=cfg.softcap is not None,
         FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        SHARE_BLOCKS=share_blocks(capacity, t, window, bool(cfg.causal), block_n, num_splits)
+        if cfg.fixed_shares and not final else 0,
     )
     if final:
         return out, lse

@@ -29,7 +29,9 @@ never read. A query that sees nothing yields out = 0, lse = -inf (or the sink wh
 Split-K (flash-decoding): `decode_split_kernel` runs grid (NUM_SPLITS, row blocks, B * Hkv). Each
 program takes all the G * T query rows of one KV head (rows r = g * T + t, query head
 kvh * G + g) in BLOCK_M tiles, so every K/V tile is loaded once for the whole group (GQA without
-repeating K/V), and one of NUM_SPLITS equal shares of the key blocks the sequence can see. With
+repeating K/V), and one of NUM_SPLITS equal shares of the key blocks the sequence can see (or,
+with SHARE_BLOCKS > 0, consecutive shares of at least SHARE_BLOCKS blocks, so that short sequences
+leave their last programs idle rather than shrinking every share). With
 NUM_SPLITS == 1 it writes the final output (in Out's dtype) and LSE; otherwise an fp32 partial
 output, normalised by its own softmax denominator, and its LSE, which `decode_merge_kernel`
 (grid (B * T * Hq,)) combines by log-sum-exp weights, adding the sink.
@@ -58,6 +60,7 @@ def decode_split_kernel(
     CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SHARE_BLOCKS: tl.constexpr = 0,
 ):
     """One share of one sequence's keys for BLOCK_M query rows of one KV head (module docstring).
 
@@ -93,6 +96,11 @@ def decode_split_kernel(
     blk0 = seq_lo // BLOCK_N
     n_blk = tl.where(seq_hi > seq_lo, (seq_hi + BLOCK_N - 1) // BLOCK_N - blk0, 0)
     per_split = (n_blk + NUM_SPLITS - 1) // NUM_SPLITS
+    if SHARE_BLOCKS > 0:
+        # Shares of a fixed size, the same for every sequence: a short sequence uses fewer
+        # programs (the rest exit at once) instead of giving each of its programs less work, so
+        # the programs still running at the end are as many as possible (ragged batches).
+        per_split = tl.maximum(per_split, SHARE_BLOCKS)
     blk_lo = blk0 + pid_split * per_split
     blk_hi = tl.minimum(blk_lo + per_split, blk0 + n_blk)
 
