@@ -32,7 +32,7 @@ def _model(kind: str, **overrides):
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, **overrides))
     elif kind == "gemma2":  # logits soft cap, alternating sliding/full layers
         cfg = dict(SMALL, head_dim=16, final_logit_softcapping=None, sliding_window=6, query_pre_attn_scalar=1,
-                   initializer_range=0.1)
+                   initializer_range=0.1, tie_word_embeddings=False)  # untied: greedy tokens do not just repeat
         cfg.update(overrides)
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**cfg))
     elif kind == "gpt_oss":  # attention sinks (s_aux), sliding window
