@@ -4,6 +4,8 @@
 * `JaxOp` / `jax_op`: a JAX function as a differentiable torch op that torch.compile traces.
 * `to_jax_device` / `to_torch_device`, `to_jax_dtype` / `to_torch_dtype`: mappings.
 * `cache_info`, `clear_cache`, `set_cache_size`: the compiled-executable cache.
+* `initialize_from_torchrun`, `global_from_shards`, `torch_shards`: several devices and processes
+  (`distributed.py`).
 
 Importing jaxattn turns off JAX's 75% GPU preallocation unless XLA_PYTHON_CLIENT_* is set
 (see `jaxattn.gpu_memory`); `configure_gpu_memory` is re-exported here.
@@ -12,10 +14,12 @@ Importing jaxattn turns off JAX's 75% GPU preallocation unless XLA_PYTHON_CLIENT
 from ..gpu_memory import configure_gpu_memory
 from .devices import to_jax_device, to_torch_device
 from .dlpack import importable, narrow_broadcast, to_jax, to_torch
+from .distributed import global_from_shards, initialize_from_torchrun, torch_shards, torchrun_settings
 from .dtypes import to_jax_dtype, to_torch_dtype
 from .torch_op import JaxOp, cache_info, clear_cache, jax_op, set_cache_size
 
 __all__ = [
     "JaxOp", "cache_info", "clear_cache", "importable", "narrow_broadcast", "configure_gpu_memory", "jax_op", "set_cache_size",
     "to_jax", "to_jax_device", "to_jax_dtype", "to_torch", "to_torch_device", "to_torch_dtype",
+    "global_from_shards", "initialize_from_torchrun", "torch_shards", "torchrun_settings",
 ]

@@ -3,6 +3,7 @@
 from .decode import decode_attention
 from .flash import flash_attention
 from .kv_cache import KVCache
+from .ring import ring_attention
 from .patch import install_sdpa_patch, is_sdpa_patched, patch_sdpa, uninstall_sdpa_patch
 from .sdpa import scaled_dot_product_attention
 from .selection import current_implementation, sdpa_implementation
@@ -10,7 +11,7 @@ from .transformers_plugin import register_transformers
 from .validation import AttentionInputError, set_finite_check
 
 __all__ = [
-    "AttentionInputError", "KVCache", "current_implementation", "decode_attention", "flash_attention", "scaled_dot_product_attention", "sdpa_implementation",
+    "AttentionInputError", "KVCache", "current_implementation", "ring_attention", "decode_attention", "flash_attention", "scaled_dot_product_attention", "sdpa_implementation",
     "set_finite_check",
     "install_sdpa_patch", "is_sdpa_patched", "patch_sdpa", "register_transformers", "uninstall_sdpa_patch",
 ]
