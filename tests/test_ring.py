@@ -292,3 +292,83 @@ def test_backward_from_saved_output_matches_oracle():
     grads = ring_attention_backward(qj, kj, vj, out, lse, _j(cot), dlse, **kw)
     for g, gr in zip(grads, (qt.grad, kt.grad, vt.grad)):
         _close(_t(g), gr, 6e-5)
+
+
+# --- torch access ----------------------------------------------------------------------------------
+
+
+def _torch_case(seed, hq=4, hk=2, length=64, e=16):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, length, e, generator=gen) for h in (hq, hk, hk))
+    return q, k, v, torch.randn(1, hq, length, e, generator=gen)
+
+
+def _torch_oracle(q, k, v, cot, **kw):
+    q, k, v = (x.double().requires_grad_(True) for x in (q, k, v))
+    out, lse = reference(q, k, v, **kw)
+    (out * cot.double()).sum().backward()
+    return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
+
+
+def test_torch_full_tensors_shards_and_compile():
+    from jaxattn.torch_api import ring_attention as torch_ring
+
+    q, k, v, cot = _torch_case(14)
+    out_ref, lse_ref, grads_ref = _torch_oracle(q, k, v, cot, causal=True)
+    mesh = _mesh(4)
+    # (a1) full tensors, sharded for the call over the mesh
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out, lse = torch_ring(*leaves, is_causal=True, mesh=mesh, return_lse=True)
+    assert out.shape == (1, 4, 64, 16) and lse.shape == (1, 4, 64) and lse.dtype == torch.float32
+    (out * cot).sum().backward()
+    torch.testing.assert_close(out.double(), out_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=2e-5)
+    for leaf, gr in zip(leaves, grads_ref):
+        torch.testing.assert_close(leaf.grad.double(), gr, atol=5e-5, rtol=5e-5)
+    # (a2) lists of per-device shards in natural order (CPU shards go to the simulated CPU devices)
+    shards = [[c.clone().requires_grad_(True) for c in x.chunk(4, dim=2)] for x in (q, k, v)]
+    outs = torch_ring(*shards, is_causal=True)
+    assert isinstance(outs, list) and len(outs) == 4
+    sum((o * c).sum() for o, c in zip(outs, cot.chunk(4, dim=2))).backward()
+    torch.testing.assert_close(torch.cat(outs, dim=2).double(), out_ref, atol=2e-5, rtol=2e-5)
+    for group, gr in zip(shards, grads_ref):
+        torch.testing.assert_close(torch.cat([s.grad for s in group], dim=2).double(), gr, atol=5e-5, rtol=5e-5)
+    # torch.compile(fullgraph=True) traces through the custom ops
+    compiled = torch.compile(lambda a, b, c: torch_ring(a, b, c, is_causal=True, mesh=mesh), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v).double(), out_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_torch_window_softcap_segments_and_errors():
+    from jaxattn.torch_api import AttentionInputError
+    from jaxattn.torch_api import ring_attention as torch_ring
+
+    q, k, v, cot = _torch_case(15, length=48)
+    gen = torch.Generator().manual_seed(16)
+    ids = torch.randint(0, 2, (1, 48), generator=gen)
+    mask = ids[:, None, :, None] == ids[:, None, None, :]
+    out_ref, _, _ = _torch_oracle(q, k, v, cot, window=(6, 2), softcap=4.0, mask=mask)
+    out = torch_ring(q, k, v, window=(6, 2), softcap=4.0, segment_ids=(ids, ids), mesh=_mesh(4))
+    torch.testing.assert_close(out.double(), out_ref, atol=2e-5, rtol=2e-5)
+    with pytest.raises(AttentionInputError, match="shard 1: shapes"):
+        torch_ring([q[:, :, :8], q[:, :, 8:20]], [k[:, :, :8], k[:, :, 8:20]], [v[:, :, :8], v[:, :, 8:20]])
+    with pytest.raises(AttentionInputError, match="window=\\(3,\\)"):
+        torch_ring(q, k, v, window=(3,), mesh=_mesh(2))
+    with pytest.raises(AttentionInputError, match="layout='ring'"):
+        torch_ring(q, k, v, layout="ring", mesh=_mesh(2))
+    with pytest.raises(TypeError, match="k: q is a list of shards"):
+        torch_ring([q], k, [v])
+    with pytest.raises(AttentionInputError, match="segment_ids: q_ids has shape"):
+        torch_ring(q, k, v, segment_ids=(ids[:, :10], ids), mesh=_mesh(2))
+
+
+def test_torchrun_settings():
+    from jaxattn.bridge import torchrun_settings
+
+    env = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.5", MASTER_PORT="29500")
+    assert torchrun_settings(env) == dict(coordinator_address="10.0.0.5:29501", num_processes=2, process_id=1,
+                                          local_rank=1)
+    assert torchrun_settings(dict(env, JAXATTN_COORDINATOR_PORT="4000"))["coordinator_address"] == "10.0.0.5:4000"
+    with pytest.raises(RuntimeError, match=r"\['RANK'\] are not set; start the script with `torchrun"):
+        torchrun_settings({k: v for k, v in env.items() if k != "RANK"})
+    with pytest.raises(RuntimeError, match="RANK=2 is outside"):
+        torchrun_settings(dict(env, RANK="2"))
