@@ -84,6 +84,22 @@ def test_llama_gqa_logits_match_sdpa_and_eager(padded):
     torch.testing.assert_close(ours[real], _logits(model, "eager", ids, mask)[real], atol=ATOL, rtol=ATOL)
 
 
+def test_bert_bidirectional_with_right_padding_matches_sdpa():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=VOCAB)
+    model = transformers.BertModel(config).eval()
+    ids, _ = _batch(False)
+    mask = torch.ones_like(ids)
+    mask[0, 8:] = 0
+    out = {}
+    for impl in ("sdpa", "jaxattn"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out["jaxattn"], out["sdpa"], atol=ATOL, rtol=ATOL)
+
+
 def test_padding_changes_the_result():
     """The mask reaches the attention: the unpadded tokens' logits depend on what is padded."""
     model = _model("llama")

@@ -128,6 +128,7 @@ def make_attention_function(implementation: Union[None, str, Sequence[str]] = No
         s_aux: Optional[torch.Tensor] = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        """(B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev), mask None or (B|1, 1|Hq, L, S) -> ((B, L, Hq, Ev), None)."""
         _check_extra_kwargs(kwargs, attention_mask)
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
