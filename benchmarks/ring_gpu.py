@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--kinds", nargs="+", default=["flash", "ring"], choices=["flash", "ring"])
     parser.add_argument("--one", nargs=2, metavar=("KIND", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # child process: one measurement, printed as JSON
@@ -78,16 +79,18 @@ def main() -> None:
         return
     import jax
 
-    result = dict(device=[d.device_kind for d in jax.devices()], jax=jax.__version__, runs=[], pairs=[])
+    result = dict(device=[d.device_kind for d in jax.devices()], jax=jax.__version__,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), runs=[], pairs=[])
     for length in args.lengths:
         pair = {}
-        for kind in ("flash", "ring"):
-            proc = subprocess.run([sys.executable, __file__, "--one", kind, str(length), "--iters", str(args.iters),
+        for kind in args.kinds:
+            proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--one", kind, str(length), "--iters", str(args.iters),
                                    "--heads", str(args.heads), "--dim", str(args.dim)],
                                   capture_output=True, text=True, env=dict(os.environ))
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
-                run = dict(kind=kind, length=length, error=(proc.stdout + proc.stderr)[-3000:])
+                run = dict(kind=kind, length=length, returncode=proc.returncode,
+                           error=(proc.stdout + proc.stderr)[-3000:])
             else:
                 run = json.loads(line[len("RESULT "):])
             result["runs"].append(run)
