@@ -70,6 +70,22 @@ def make_inputs(b, s, lengths, gen):
     return q, k_bhsd, v_bhsd, mask
 
 
+def cache_lengths(b, s, ragged, gen):
+    """(B,) int32 lengths: all S, or uniform in [S/8, S] for a ragged batch."""
+    if ragged:
+        return torch.randint(s // 8, s + 1, (b,), generator=gen, device="cuda", dtype=torch.int32)
+    return torch.full((b,), s, dtype=torch.int32, device="cuda")
+
+
+def bshd_case(b, s, ragged):
+    """Lengths and (B, S, Hkv, D) caches with their JAX views, for the kernel-only sweeps."""
+    gen = torch.Generator(device="cuda").manual_seed(b * s)
+    lengths = cache_lengths(b, s, ragged, gen)
+    q, k_bhsd, v_bhsd, _ = make_inputs(b, s, lengths, gen)
+    k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+    return lengths, to_jax([q, k, v, lengths])
+
+
 def jax_caller(q, k, v, lengths, block_table=None, cache_layout="BSHD"):
     """A no-argument function running the jitted JAX decode on arrays sharing the tensors' memory."""
     arrays = to_jax([x for x in (q, k, v, lengths, block_table) if x is not None])
@@ -103,10 +119,7 @@ def paged_copy(k_bshd, v_bshd, page_size, gen):
 
 def bench(b, s, copy_gbps, ragged, iters=30):
     gen = torch.Generator(device="cuda").manual_seed(b * s)
-    if ragged:
-        lengths = torch.randint(s // 8, s + 1, (b,), generator=gen, device="cuda", dtype=torch.int32)
-    else:
-        lengths = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    lengths = cache_lengths(b, s, ragged, gen)
     q, k_bhsd, v_bhsd, mask = make_inputs(b, s, lengths, gen)
     k_bshd, v_bshd = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
     nbytes = kv_bytes(lengths)
@@ -181,15 +194,7 @@ def sweep(shapes, copy_gbps):
     rows = []
     tiles = [None, (32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (64, 8, 4), (128, 8, 3)]
     for b, s, ragged in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(b * s)
-        if ragged:
-            lengths = torch.randint(s // 8, s + 1, (b,), generator=gen, device="cuda", dtype=torch.int32)
-        else:
-            lengths = torch.full((b,), s, dtype=torch.int32, device="cuda")
-        q, k_bhsd, v_bhsd, _ = make_inputs(b, s, lengths, gen)
-        k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
-        del k_bhsd, v_bhsd
-        qj, kj, vj, nj = to_jax([q, k, v, lengths])
+        lengths, (qj, kj, vj, nj) = bshd_case(b, s, ragged)
         for tile in tiles:
             for splits in (None, 2, 4, 8, 16, 32, 64):
                 if splits is not None and tile is not None:
@@ -205,7 +210,7 @@ def sweep(shapes, copy_gbps):
                 rows.append({"B": b, "S": s, "ragged": ragged, "tile": tile, "splits": splits, "us": us,
                              "gbps": gbps, "frac_of_copy": gbps / copy_gbps})
                 print(json.dumps(rows[-1]), flush=True)
-        del q, k, v, qj, kj, vj
+        del qj, kj, vj
     return rows
 
 
@@ -213,15 +218,7 @@ def balance(copy_gbps):
     """Split counts x split rule (fixed-size shares vs per-sequence equal shares), JAX level."""
     rows = []
     for b, s, ragged in [(8, 32768, True), (32, 8192, True), (8, 32768, False)]:
-        gen = torch.Generator(device="cuda").manual_seed(b * s)
-        if ragged:
-            lengths = torch.randint(s // 8, s + 1, (b,), generator=gen, device="cuda", dtype=torch.int32)
-        else:
-            lengths = torch.full((b,), s, dtype=torch.int32, device="cuda")
-        q, k_bhsd, v_bhsd, _ = make_inputs(b, s, lengths, gen)
-        k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
-        del k_bhsd, v_bhsd
-        qj, kj, vj, nj = to_jax([q, k, v, lengths])
+        lengths, (qj, kj, vj, nj) = bshd_case(b, s, ragged)
         for fixed in (False, True):
             for splits in (None, 8, 16, 32, 64):
                 cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", num_splits=splits, fixed_shares=fixed)
@@ -231,7 +228,7 @@ def balance(copy_gbps):
                 rows.append({"B": b, "S": s, "ragged": ragged, "fixed_shares": fixed, "splits": splits, "us": us,
                              "frac_of_copy": gbps / copy_gbps})
                 print(json.dumps(rows[-1]), flush=True)
-        del q, k, v, qj, kj, vj
+        del qj, kj, vj
     return rows
 
 

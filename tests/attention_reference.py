@@ -39,3 +39,11 @@ def reference(q, k, v, *, causal=False, alignment="top_left", window=None, softc
     lse = torch.logsumexp(full, dim=-1)
     probs = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
     return probs @ v, lse
+
+
+def assert_close_finite(name, got, want, tol=2e-4):
+    """`got` has the non-finite pattern of `want` and, elsewhere, a max error <= tol * max(1, |want|)."""
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite pattern differs"
+    err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+    assert err <= tol * max(1.0, want[finite].abs().max().item()), f"{name}: max error {err}"

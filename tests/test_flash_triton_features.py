@@ -19,7 +19,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 import jax_triton_interpret  # noqa: E402
-from attention_reference import reference  # noqa: E402
+from attention_reference import assert_close_finite, reference  # noqa: E402
 
 from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 
@@ -71,11 +71,7 @@ def _ref_grads(q, k, v, cot, sinks=None, **kw):
     return out.detach(), lse.detach(), [x.grad for x in leaves] + [None if s is None else s.grad]
 
 
-def _close(name, got, want, tol=2e-4):
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite pattern differs"
-    err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
-    assert err <= tol * max(1.0, want[finite].abs().max().item()), f"{name}: max error {err}"
+_close = assert_close_finite
 
 
 # --------------------------------------------------------------------------------------------- segments

@@ -369,6 +369,7 @@ def flash_bwd_dkdv_kernel(
     if DROPOUT:
         seed = load_seed(Seed)
 
+    n_q = (L + BLOCK_M - 1) // BLOCK_M  # query blocks of the skip table's rows
     for g in range(0, group):
         h = (hk * group + g).to(tl.int64)
         Q_bh = Q + b_mem * stride_qb + h * stride_qh
@@ -378,32 +379,27 @@ def flash_bwd_dkdv_kernel(
         row0 = (b * Hq + h) * L
         if VARLEN:
             row0 = h * L + q_off
+        # Query blocks [lo, hi), or with BLOCK_SKIP only the live ones: this key block's row of the
+        # skip table holds n_q + 1 prefix counts, then the live query blocks in ascending order.
+        row = Skip
+        first = lo // BLOCK_M
+        last = tl.maximum((hi + BLOCK_M - 1) // BLOCK_M, first)
         if BLOCK_SKIP:
-            # Only the live query blocks of [lo, hi): this key block's row of the skip table holds
-            # n_q + 1 prefix counts, then the live query blocks in ascending order.
             row = Skip + b * stride_tb + h * stride_th + pid_n * stride_tr
-            n_q = (L + BLOCK_M - 1) // BLOCK_M
-            first = lo // BLOCK_M
-            i0 = tl.load(row + first)
-            i1 = tl.load(row + tl.maximum((hi + BLOCK_M - 1) // BLOCK_M, first))
-            for i in range(i0, i1):
+            first = tl.load(row + first)
+            last = tl.load(row + last)
+        for i in range(first, last):
+            if BLOCK_SKIP:
                 start_m = tl.load(row + n_q + 1 + i) * BLOCK_M
-                acc_dk, acc_dv = _dkdv_block(
-                    acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
-                    Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
-                    stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
-                    seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
-                    seed, dropout_p, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
-                    FAST_TANH, BLOCK_M)
-        else:
-            for start_m in range(lo, hi, BLOCK_M):
-                acc_dk, acc_dv = _dkdv_block(
-                    acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
-                    Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
-                    stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
-                    seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
-                    seed, dropout_p, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
-                    FAST_TANH, BLOCK_M)
+            else:
+                start_m = i * BLOCK_M
+            acc_dk, acc_dv = _dkdv_block(
+                acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv_ok, kseg,
+                Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
+                seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
+                seed, dropout_p, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
+                FAST_TANH, BLOCK_M)
 
     acc_dk = acc_dk * scale
     tl.store(dK + b_mem * stride_dkb + hk64 * stride_dkh + rows_n * stride_dkn
@@ -534,39 +530,36 @@ def flash_bwd_dq_kernel(
     if DROPOUT:
         seed = load_seed(Seed)
 
+    # Key blocks [lo, hi), or with BLOCK_SKIP only the live ones (see the dK/dV kernel).
+    row = Skip
+    n_k = (S + BLOCK_N - 1) // BLOCK_N
+    lo_blk = lo // BLOCK_N
+    hi_blk = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, lo_blk)
+    first = lo_blk
+    last = hi_blk
     if BLOCK_SKIP:
-        # Only the live key blocks of [lo, hi) (see the dK/dV kernel); dead tiles get zero dS.
         row = Skip + b * stride_tb + h * stride_th + pid_m * stride_tr
-        n_k = (S + BLOCK_N - 1) // BLOCK_N
-        first = lo // BLOCK_N
-        last = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, first)
-        i0 = tl.load(row + first)
-        i1 = tl.load(row + last)
-        for i in range(i0, i1):
+        first = tl.load(row + lo_blk)
+        last = tl.load(row + hi_blk)
+    for i in range(first, last):
+        if BLOCK_SKIP:
             start_n = tl.load(row + n_k + 1 + i) * BLOCK_N
-            acc_dq = _dq_block(
-                acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
-                K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
-                stride_dsm, stride_dsn, seq_l, seq_s, q_off, k_off, S, scale, softcap,
-                window_left, window_right, diag, seed, dropout_p,
-                CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N)
-        if WRITE_DS:
-            for kb in range(first, last):
-                if tl.load(row + kb + 1) == tl.load(row + kb):
-                    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-                    tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn,
-                             tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
-                             mask=m_ok[:, None] & (offs_n[None, :] < S))
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            acc_dq = _dq_block(
-                acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
-                K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
-                stride_dsm, stride_dsn, seq_l, seq_s, q_off, k_off, S, scale, softcap,
-                window_left, window_right, diag, seed, dropout_p,
-                CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N)
+        else:
+            start_n = i * BLOCK_N
+        acc_dq = _dq_block(
+            acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok, d_ok, dv_ok, qseg,
+            K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+            stride_dsm, stride_dsn, seq_l, seq_s, q_off, k_off, S, scale, softcap,
+            window_left, window_right, diag, seed, dropout_p,
+            CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N)
+    if BLOCK_SKIP and WRITE_DS:  # dead tiles of [lo, hi) get zero dS
+        for kb in range(lo_blk, hi_blk):
+            if tl.load(row + kb + 1) == tl.load(row + kb):
+                offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn,
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                         mask=m_ok[:, None] & (offs_n[None, :] < S))
 
     if WRITE_DS:
         # Key blocks skipped by the loop bounds still get their (zero) gradient written.

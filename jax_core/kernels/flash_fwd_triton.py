@@ -188,28 +188,25 @@ def _fwd_stage(
     masked by the bool mask or a -inf bias) are neither loaded nor computed. Skipping them is exact:
     they would add exp(-inf) = 0.
     """
+    # Blocks [start, end) (start is a multiple of BLOCK_N), or with BLOCK_SKIP only the live ones:
+    # entries [count[start / BLOCK_N], count[cdiv(end, BLOCK_N)]) of this row's ascending list of
+    # live blocks. Both are plain loops (the list is read by index), so both pipeline.
+    first = start // BLOCK_N
+    last = tl.maximum((end + BLOCK_N - 1) // BLOCK_N, first)
     if BLOCK_SKIP:
-        # Only the live key blocks of [start, end): entries [cnt[start / BLOCK_N], cnt[cdiv(end, BLOCK_N)])
-        # of this row's ascending list of live blocks (an indirect loop that still pipelines).
-        first = start // BLOCK_N
-        i0 = tl.load(vis_ptr + first)
-        i1 = tl.load(vis_ptr + tl.maximum((end + BLOCK_N - 1) // BLOCK_N, first))
-        for i in range(i0, i1):
+        first = tl.load(vis_ptr + first)
+        last = tl.load(vis_ptr + last)
+    for i in range(first, last):
+        if BLOCK_SKIP:
             start_n = tl.load(vis_ptr + n_blocks + 1 + i) * BLOCK_N
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
-                row_lo, row_hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
-                MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
-    else:
-        for start_n in range(start, end, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
-                stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
-                row_lo, row_hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
-                MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+        else:
+            start_n = i * BLOCK_N
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
+            stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
+            row_lo, row_hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+            MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
     return acc, l_i, m_i
 
 
