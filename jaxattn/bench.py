@@ -1,7 +1,7 @@
 """`jaxattn bench`: our implementations against torch's SDPA backends on the current device.
 
     jaxattn bench --quick                 # small shapes, CPU-friendly (CI smoke test)
-    jaxattn bench --full --out bench_out  # the BENCHMARKS.md run (about 5 minutes on an H100)
+    jaxattn bench --full --out docs/bench  # the BENCHMARKS.md run (under 3 minutes on an H100)
 
 Sweeps implementations x shapes x dtypes x {forward, forward+backward} x decode shapes. Ours go
 through the torch API (`jaxattn.torch_api.scaled_dot_product_attention(implementation=name)`,
