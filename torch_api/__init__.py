@@ -1,5 +1,6 @@
 """jaxattn.torch_api: torch signatures and semantics, computed by jaxattn.jax_core through jaxattn.bridge."""
 
+from .bucketing import current_sequence_buckets, sequence_buckets, set_sequence_buckets
 from .decode import decode_attention
 from .flash import flash_attention
 from .kv_cache import KVCache
@@ -13,5 +14,6 @@ from .validation import AttentionInputError, set_finite_check
 __all__ = [
     "AttentionInputError", "KVCache", "current_implementation", "ring_attention", "decode_attention", "flash_attention", "scaled_dot_product_attention", "sdpa_implementation",
     "set_finite_check",
+    "current_sequence_buckets", "sequence_buckets", "set_sequence_buckets",
     "install_sdpa_patch", "is_sdpa_patched", "patch_sdpa", "register_transformers", "uninstall_sdpa_patch",
 ]

@@ -10,6 +10,12 @@ Causal alignment (`is_causal=True`, as torch: top-left, query i sees keys j <= i
               q0     x . . . .
               q1     x x . . .
               q2     x x x . .
+
+Per call, everything that depends only on the call's signature (argument checks, the choice of
+implementation, reshapes, bucketing, the bridge's call plan) is looked up in a memo keyed by the
+tensors' types, shapes, strides, dtypes, devices and grad flags and the other arguments; only
+the NaN check (value-dependent, CPU by default) runs every time. Under torch.compile the plain
+path below runs instead, so the graph sees the checks and the custom op.
 """
 
 from __future__ import annotations
@@ -20,11 +26,19 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import torch
+import torch.nn.functional as F
 
 from ..bridge import jax_op
+from ..bridge.call_plan import NotPlain, arg_key, static_key
+from ..bridge.dlpack import narrow_broadcast
 from ..jax_core import AttentionMetadata, attention
+from .bucketing import bucket_length, current_sequence_buckets
 from .selection import current_implementation, normalize_choice
-from .validation import check_finite, check_mask_shape, check_options, check_qkv
+from .validation import check_finite, check_mask_shape, check_options, check_qkv, finite_check_applies
+
+#: Signature plans kept before the memo is emptied (each holds keys and small mask tensors).
+MAX_PLANS = 4096
+_plans: dict[tuple, "_Plan"] = {}
 
 
 @jax_op(name="jaxattn.sdpa")
@@ -71,53 +85,174 @@ def scaled_dot_product_attention(
             automatic selection.
 
     Returns:
-        (N, ..., Hq, L, Ev) tensor of the query's dtype on the query's device.
+        (N, ..., Hq, L, Ev) tensor of the query's dtype on the query's device. Under
+        `sequence_buckets` it may be a view of a longer (padded) result.
 
     Raises:
         AttentionInputError (a ValueError and RuntimeError): malformed arguments.
         TypeError: arguments of the wrong type.
         ValueError / NotImplementedError: no implementation can run the call (with reasons).
     """
+    if not torch.compiler.is_compiling():
+        try:
+            sig = (
+                arg_key(query), arg_key(key), arg_key(value), arg_key(attn_mask), static_key(dropout_p),
+                static_key(is_causal), static_key(scale), static_key(enable_gqa), static_key(implementation),
+                current_implementation(), current_sequence_buckets(), torch.is_grad_enabled(),
+            )
+            plan = _plans.get(sig)
+        except (NotPlain, AttributeError, TypeError):  # unusual arguments: the plain path checks them
+            sig = plan = None
+        if sig is not None:
+            if plan is None:
+                plan = _Plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
+                if len(_plans) >= MAX_PLANS:
+                    _plans.clear()
+                _plans[sig] = plan
+            if finite_check_applies(query.device):
+                check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
+            return plan(query, key, value, attn_mask)
+    return _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
+
+
+def _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation):
+    """The call without memo (torch.compile traces this)."""
     check_qkv(query, key, value, enable_gqa)
     check_options(attn_mask, dropout_p, is_causal, scale, query)
     choice = normalize_choice(implementation) if implementation is not None else current_implementation()
     check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
-
-    if query.dim() == 2:  # (L, E): one sequence, one head
-        out = scaled_dot_product_attention(
-            query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            implementation=choice,
-        )
-        return out[0]
-    *batch, hq, seq_q, _ = query.shape
-    hk, seq_k = key.shape[-3], key.shape[-2]
-    if attn_mask is not None:
-        check_mask_shape(attn_mask, (*batch, hq, seq_q, seq_k))
-
-    # A stride-0 leaf that requires grad needs a gradient per element; the bridge would merge its
-    # broadcast dims, so it gets its own memory first.
-    query, key, value = map(_dense_if_broadcast_leaf, (query, key, value))
-    if attn_mask is not None:
-        attn_mask = _dense_if_broadcast_leaf(attn_mask)
-    # Fold the N, ... dims into one batch dim; key/value batch dims of size 1 broadcast (zero-copy).
-    lead = tuple(batch)
-    flat = math.prod(lead)
-    q4 = query.reshape(flat, hq, seq_q, query.shape[-1])
-    k4 = key.expand(*lead, hk, seq_k, key.shape[-1]).reshape(flat, hk, seq_k, key.shape[-1])
-    v4 = value.expand(*lead, hk, seq_k, value.shape[-1]).reshape(flat, hk, seq_k, value.shape[-1])
-    mask4 = None
-    if attn_mask is not None:
-        mask4 = attn_mask.expand(*lead, hq, seq_q, seq_k).reshape(flat, hq, seq_q, seq_k)
-
-    seed = None
-    if dropout_p > 0:
-        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=query.device)
-    out = _sdpa_jax(
-        q4, k4, v4, mask4, seed, is_causal=is_causal, scale=None if scale is None else float(scale),
-        dropout_p=float(dropout_p), implementation=choice,
-        platform="cpu" if query.device.type == "cpu" else "gpu",
+    return _Plan.checked(query, key, value, attn_mask, dropout_p, is_causal, scale, choice)(
+        query, key, value, attn_mask, plan_ops=False
     )
-    return out.reshape(*lead, hq, seq_q, value.shape[-1])
+
+
+class _Plan:
+    """One signature's call: checks done, implementation chosen, reshapes and padding planned."""
+
+    def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation):
+        check_qkv(query, key, value, enable_gqa)
+        check_options(attn_mask, dropout_p, is_causal, scale, query)
+        choice = normalize_choice(implementation) if implementation is not None else current_implementation()
+        self._setup(query, key, value, attn_mask, dropout_p, is_causal, scale, choice, current_sequence_buckets())
+        q4, k4, v4, mask4, seed = self._operands(query, key, value, attn_mask, draw_seed=False)
+        self.call = _sdpa_jax.plan(q4, k4, v4, mask4, seed, **self.static)
+
+    @classmethod
+    def checked(cls, query, key, value, attn_mask, dropout_p, is_causal, scale, choice) -> "_Plan":
+        """A plan for already checked arguments, without a bridge call plan (torch.compile's path)."""
+        plan = cls.__new__(cls)
+        plan._setup(query, key, value, attn_mask, dropout_p, is_causal, scale, choice, current_sequence_buckets())
+        return plan
+
+    def _setup(self, query, key, value, attn_mask, dropout_p, is_causal, scale, choice, buckets):
+        self.squeeze = query.dim() == 2  # (L, E): one sequence, one head
+        if self.squeeze:
+            query, key, value = query[None], key[None], value[None]
+        *batch, hq, seq_q, e = query.shape
+        hk, seq_k, ev = key.shape[-3], key.shape[-2], value.shape[-1]
+        if attn_mask is not None:
+            check_mask_shape(attn_mask, (*batch, hq, seq_q, seq_k))
+        self.lead, self.flat = tuple(batch), math.prod(batch)
+        self.hq, self.hk, self.e, self.ev = hq, hk, e, ev
+        self.seq_q, self.seq_k = seq_q, seq_k
+        self.pad_q = self.pad_k = 0
+        self.key_mask: Optional[torch.Tensor] = None
+        self.is_causal = is_causal
+        if buckets is not None:
+            self.pad_q = bucket_length(seq_q, buckets) - seq_q
+            self.pad_k = bucket_length(seq_k, buckets) - seq_k
+            if self.pad_k and attn_mask is None and not (is_causal and seq_q <= seq_k):
+                # Padded keys must get no weight. A causal call with L <= S needs no mask: real
+                # query i sees keys j <= i < S only; otherwise the mask carries causality too.
+                lq, lk = seq_q + self.pad_q, seq_k + self.pad_k
+                cols = torch.arange(lk, device=query.device)
+                valid = cols < seq_k
+                if is_causal:
+                    valid = valid & (cols[None, :] <= torch.arange(lq, device=query.device)[:, None])
+                self.key_mask = valid
+                self.is_causal = False
+        self.static = dict(
+            is_causal=self.is_causal, scale=None if scale is None else float(scale), dropout_p=float(dropout_p),
+            implementation=choice, platform="cpu" if query.device.type == "cpu" else "gpu",
+        )
+        self.dropout = dropout_p > 0
+
+    # -- per call -----------------------------------------------------------------------------------
+
+    def __call__(self, query, key, value, attn_mask, plan_ops: bool = True):
+        q4, k4, v4, mask4, seed = self._operands(query, key, value, attn_mask)
+        if plan_ops:
+            out = self.call(q4, k4, v4, mask4, seed)
+        else:
+            out = _sdpa_jax(q4, k4, v4, mask4, seed, **self.static)
+        if self.pad_q:
+            out = out[:, :, : self.seq_q]
+        if self.lead != (self.flat,):
+            out = out.reshape(*self.lead, self.hq, self.seq_q, self.ev)
+        return out[0] if self.squeeze else out
+
+    def _operands(self, query, key, value, attn_mask, draw_seed: bool = True):
+        """(B, Hq, L', E), (B, Hk, S', E), (B, Hk, S', Ev), mask (B, Hq, L', S') or None, seed.
+
+        `draw_seed=False` gives a placeholder seed of the same signature without touching torch's RNG.
+        """
+        if self.squeeze:
+            query, key, value = query[None], key[None], value[None]
+        # A stride-0 leaf that requires grad needs a gradient per element; the bridge would merge
+        # its broadcast dims, so it gets its own memory first.
+        query, key, value = map(_dense_if_broadcast_leaf, (query, key, value))
+        if attn_mask is not None:
+            attn_mask = _dense_if_broadcast_leaf(attn_mask)
+        lead, flat = self.lead, self.flat
+        lq, lk = self.seq_q + self.pad_q, self.seq_k + self.pad_k
+        if self.pad_q:
+            query = F.pad(query, (0, 0, 0, self.pad_q))
+        if self.pad_k:
+            key, value = F.pad(key, (0, 0, 0, self.pad_k)), F.pad(value, (0, 0, 0, self.pad_k))
+            if attn_mask is not None:
+                attn_mask = _pad_mask(attn_mask, self.seq_q, self.seq_k, self.pad_q, self.pad_k)
+        elif self.pad_q and attn_mask is not None:
+            attn_mask = _pad_mask(attn_mask, self.seq_q, self.seq_k, self.pad_q, 0)
+        if self.key_mask is not None:
+            attn_mask = self.key_mask
+        # Fold the N, ... dims into one batch dim; key/value batch dims of size 1 broadcast (zero-copy).
+        q4 = query if query.dim() == 4 and lead == (flat,) else query.reshape(flat, self.hq, lq, self.e)
+        k4 = _fold(key, lead, flat, (self.hk, lk, self.e))
+        v4 = _fold(value, lead, flat, (self.hk, lk, self.ev))
+        mask4 = None if attn_mask is None else _fold(attn_mask, lead, flat, (self.hq, lq, lk))
+        seed = None
+        if self.dropout:
+            seed = (torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=query.device) if draw_seed
+                    else torch.zeros(2, dtype=torch.int32, device=query.device))
+        return q4, k4, v4, mask4, seed
+
+
+def _fold(t: torch.Tensor, lead: tuple, flat: int, tail: tuple) -> torch.Tensor:
+    """`t` broadcast to (*lead, *tail) and reshaped to (flat, *tail), zero-copy where possible."""
+    if t.dim() == 4 and lead == (flat,) and tuple(t.shape) == (flat, *tail):
+        return t
+    return t.expand(*lead, *tail).reshape(flat, *tail)
+
+
+def _pad_mask(mask: torch.Tensor, seq_q: int, seq_k: int, pad_q: int, pad_k: int) -> torch.Tensor:
+    """Pads a mask broadcastable to (..., L, S) to one broadcastable to (..., L + pad_q, S + pad_k).
+
+    Padded keys are hidden (False / -inf); padded query rows see every real key (their output is
+    dropped). Broadcast dims stay broadcast: only the narrowed mask is padded.
+    """
+    if mask.dim() < 2:
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+    narrowed, full = narrow_broadcast(mask)
+    full = tuple(mask.shape) if full is None else full
+    hide, show = (False, True) if mask.dtype == torch.bool else (float("-inf"), 0.0)
+    if pad_k:
+        if narrowed.shape[-1] != seq_k:  # broadcast over keys: it must now tell real from padded keys
+            narrowed = narrowed.expand(*narrowed.shape[:-1], seq_k)
+        narrowed = F.pad(narrowed, (0, pad_k), value=hide)
+    if pad_q and narrowed.shape[-2] > 1:  # real rows (a single row broadcasts to the padded ones)
+        narrowed = F.pad(narrowed, (0, 0, 0, pad_q), value=show)
+    rows = 1 if full[-2] == 1 else seq_q + pad_q
+    return narrowed.expand(*full[:-2], rows, seq_k + pad_k)
 
 
 def _dense_if_broadcast_leaf(t: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,12 @@ def check_mask_shape(attn_mask: torch.Tensor, target: tuple[int, ...]) -> None:
         )
 
 
+def finite_check_applies(device: torch.device) -> bool:
+    """Whether `check_finite` looks at tensors on `device` under the current `set_finite_check` mode."""
+    mode = _finite_check[0]
+    return mode == "always" or (mode == "cpu" and device.type == "cpu")
+
+
 def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
     """Raises on NaN/inf in query/key/value (and NaN in a float mask), as `set_finite_check` allows."""
     mode = _finite_check[0]
