@@ -186,6 +186,21 @@ def test_gpt_oss_sinks_match_eager():
     torch.testing.assert_close(ours[real], _logits(model, "eager", ids, mask)[real], atol=ATOL, rtol=ATOL)
 
 
+def test_gpt_oss_sink_gradients_match_eager():
+    model = _model("gpt_oss").train()
+    ids, mask = _batch(True)
+    grads = {}
+    for impl in ("eager", "jaxattn"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    sinks = [n for n in grads["eager"] if n.endswith("sinks")]
+    assert len(sinks) == 2 and all(grads["eager"][n].abs().max() > 0 for n in sinks)
+    for name, want in grads["eager"].items():
+        torch.testing.assert_close(grads["jaxattn"][name], want, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_implementation_choice_is_used():
     name = register_transformers("jaxattn_decode_only", implementation="decode")
     model = _model("llama")
