@@ -3,7 +3,8 @@
 * `to_jax` / `to_torch`: zero-copy DLPack conversion with CUDA stream ordering.
 * `JaxOp` / `jax_op`: a JAX function as a differentiable torch op that torch.compile traces.
 * `to_jax_device` / `to_torch_device`, `to_jax_dtype` / `to_torch_dtype`: mappings.
-* `cache_info`, `clear_cache`, `set_cache_size`: the compiled-executable cache.
+* `cache_info`, `clear_cache`, `set_cache_size`: the compiled-executable cache (hits, misses, size,
+  compile time); `enable_persistent_cache`: JAX's on-disk cache across restarts.
 * `initialize_from_torchrun`, `global_from_shards`, `torch_shards`: several devices and processes
   (`distributed.py`).
 
@@ -12,6 +13,7 @@ Importing jaxattn turns off JAX's 75% GPU preallocation unless XLA_PYTHON_CLIENT
 """
 
 from ..gpu_memory import configure_gpu_memory
+from .cache import enable_persistent_cache
 from .devices import to_jax_device, to_torch_device
 from .dlpack import importable, narrow_broadcast, to_jax, to_torch
 from .distributed import global_from_shards, initialize_from_torchrun, torch_shards, torchrun_settings
@@ -19,7 +21,7 @@ from .dtypes import to_jax_dtype, to_torch_dtype
 from .torch_op import JaxOp, cache_info, clear_cache, jax_op, set_cache_size
 
 __all__ = [
-    "JaxOp", "cache_info", "clear_cache", "importable", "narrow_broadcast", "configure_gpu_memory", "jax_op", "set_cache_size",
+    "JaxOp", "cache_info", "clear_cache", "enable_persistent_cache", "importable", "narrow_broadcast", "configure_gpu_memory", "jax_op", "set_cache_size",
     "to_jax", "to_jax_device", "to_jax_dtype", "to_torch", "to_torch_device", "to_torch_dtype",
     "global_from_shards", "initialize_from_torchrun", "torch_shards", "torchrun_settings",
 ]

@@ -1,12 +1,16 @@
-"""A bounded LRU cache with hit and miss counters and build timing, for compiled JAX executables."""
+"""A bounded LRU cache with hit and miss counters and build timing, for compiled JAX executables;
+and JAX's persistent (on-disk) compilation cache, for processes that restart often."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import threading
+import os
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Union
+
+import jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +87,24 @@ class LRUCache:
 
 
 _MISSING = object()
+
+
+def enable_persistent_cache(directory: Union[str, os.PathLike], *, min_compile_time_s: float = 0.0) -> None:
+    """Keeps compiled executables on disk (JAX's persistent compilation cache) across processes.
+
+    A process that starts again with the same `directory` loads the executables of shapes it has
+    compiled before instead of compiling them (the in-memory cache above still counts these as
+    misses; their compile time is then mostly loading). Call it before the first attention call.
+
+    Args:
+        directory: where JAX writes its cache entries (created if missing; may be shared by
+            processes on one machine).
+        min_compile_time_s: only executables that took at least this long to compile are kept.
+    """
+    if isinstance(min_compile_time_s, bool) or not isinstance(min_compile_time_s, (int, float)) or min_compile_time_s < 0:
+        raise ValueError(f"min_compile_time_s={min_compile_time_s!r}: expected a float >= 0.")
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -114,6 +114,8 @@ def cuda_handshake(device: torch.device, jax_device: jax.Device) -> tuple[int, i
     jax_stream = jax_device.get_stream_for_external_ready_events()
     external = _external_streams.get(jax_stream)
     if external is None:
+        if len(_external_streams) >= 64:  # JAX hands out one stream per device; stay bounded regardless
+            _external_streams.clear()
         external = _external_streams.setdefault(jax_stream, torch.cuda.ExternalStream(jax_stream, device=device))
     current = torch.cuda.current_stream(device)
     # One event per thread and device: recording it again is safe, since a wait binds to the

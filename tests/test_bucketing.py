@@ -200,3 +200,20 @@ def test_dropout_under_buckets_is_seeded_and_shaped():
         c = scaled_dot_product_attention(q, k, v, dropout_p=0.4)
     assert a.shape == (2, 2, 13, 8) and torch.equal(a, b) and not torch.equal(a, c)
     assert torch.isfinite(a).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cuda_bf16_bucketed_within_twice_torch_error(is_causal):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, 4, n, 64, generator=gen, device="cuda") for n in (97, 130, 130))
+    dout = torch.randn(2, 4, 97, 64, generator=gen, device="cuda")
+    ref = _run(_math, q, k, v, None, dout, is_causal=is_causal)
+    low = [t.to(torch.bfloat16) for t in (q, k, v)]
+    torch_bf16 = _run(_math, *low, None, dout.bfloat16(), is_causal=is_causal)
+    with sequence_buckets([64, 128, 256]):
+        ours = _run(scaled_dot_product_attention, *low, None, dout.bfloat16(), is_causal=is_causal)
+    for name, o, t, r in zip(("out", "dq", "dk", "dv"), ours, torch_bf16, ref):
+        assert o.shape == r.shape, name
+        assert (o.float() - r).abs().max() <= 2 * (t.float() - r).abs().max() + 1e-4, name

@@ -366,6 +366,27 @@ def test_sdpa_memo_keeps_checks_and_results_per_signature():
         set_finite_check("cpu")
 
 
+def test_finite_check_finds_every_kind_of_bad_value_in_one_pass():
+    from jaxattn.torch_api.validation import AttentionInputError, check_finite
+
+    g = torch.Generator().manual_seed(13)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        q, k, v = (torch.randn(2, 3, 5, 4, generator=g).to(dtype) for _ in range(3))
+        mask = torch.randn(5, 5, generator=g).to(dtype)
+        mask[0, 1], mask[2, 2] = float("-inf"), float("inf")  # legal additive values
+        check_finite({"query": q, "key": k, "value": v, "attn_mask": mask})
+        for name, bad in (("value", float("-inf")), ("key", float("inf")), ("query", float("nan"))):
+            tensors = {"query": q, "key": k, "value": v, "attn_mask": mask}
+            t = tensors[name].clone()
+            t[1, 2, 3, 0] = bad
+            tensors[name] = t
+            with pytest.raises(AttentionInputError, match=f"{name}: contains NaN or inf values at 1 position"):
+                check_finite(tensors)
+        mask[4, 4] = float("nan")
+        with pytest.raises(AttentionInputError, match="attn_mask: contains NaN values at 1 position"):
+            check_finite({"query": q, "key": k, "value": v, "attn_mask": mask})
+
+
 def test_sdpa_memo_tells_views_and_grad_modes_apart():
     g = torch.Generator().manual_seed(9)
     base = torch.randn(2, 13, 4, 8, generator=g)
@@ -486,3 +507,40 @@ def test_cuda_threads_with_their_own_streams():
     for t in threads:
         t.join()
     assert not errors and max(worst) < 0.05
+
+
+# --- JAX's persistent compilation cache ----------------------------------------------------------------
+
+_PERSISTENT = """
+import sys, jax, torch
+import jaxattn.bridge as bridge
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("/cache_hits") else None)
+bridge.enable_persistent_cache(sys.argv[1])
+from jaxattn.torch_api import scaled_dot_product_attention
+q = torch.randn(1, 2, 37, 8, generator=torch.Generator().manual_seed(0))
+out = scaled_dot_product_attention(q, q, q, is_causal=True)
+print(len(hits), repr(out.sum().item()))
+"""
+
+
+def test_persistent_cache_is_reused_by_a_restarted_process(tmp_path):
+    import subprocess
+    import sys
+
+    def run():
+        res = subprocess.run([sys.executable, "-c", _PERSISTENT, str(tmp_path / "jax_cache")], capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        hits, total = res.stdout.split()[-2:]
+        return int(hits), total
+
+    first_hits, first_total = run()
+    assert first_hits == 0 and any((tmp_path / "jax_cache").iterdir())
+    second_hits, second_total = run()
+    assert second_hits >= 1 and second_total == first_total
+
+
+def test_persistent_cache_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="min_compile_time_s=-1"):
+        bridge.enable_persistent_cache(tmp_path, min_compile_time_s=-1)

@@ -97,7 +97,8 @@ def scaled_dot_product_attention(
         try:
             sig = (
                 arg_key(query), arg_key(key), arg_key(value), arg_key(attn_mask), static_key(dropout_p),
-                static_key(is_causal), static_key(scale), static_key(enable_gqa), static_key(implementation),
+                static_key(is_causal), static_key(scale), static_key(enable_gqa),
+                static_key(tuple(implementation) if type(implementation) is list else implementation),
                 current_implementation(), current_sequence_buckets(), torch.is_grad_enabled(),
             )
             plan = _plans.get(sig)

@@ -146,13 +146,30 @@ def finite_check_applies(device: torch.device) -> bool:
 
 
 def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
-    """Raises on NaN/inf in query/key/value (and NaN in a float mask), as `set_finite_check` allows."""
+    """Raises on NaN/inf in query/key/value (and NaN in a float mask), as `set_finite_check` allows.
+
+    One host read for all tensors: NaN propagates through amin/amax and +-inf shows in them (a
+    mask's amax is clamped: only its NaN counts); only a failing call counts the bad positions.
+    """
     mode = _finite_check[0]
     if mode == "off" or torch.compiler.is_compiling():
         return
+    checked, extremes = [], []
     for name, t in tensors.items():
-        if t is None or t.dtype == torch.bool or (mode == "cpu" and t.device.type != "cpu"):
+        if t is None or t.dtype == torch.bool or not t.numel() or (mode == "cpu" and t.device.type != "cpu"):
             continue
+        checked.append((name, t))
+        if name == "attn_mask":  # -inf (and +inf) are valid additive mask values; NaN is not
+            extremes.append(t.amax().clamp(-1, 1))
+        else:
+            extremes.extend(torch.aminmax(t))
+    if not checked:
+        return
+    if len({e.dtype for e in extremes}) > 1:
+        extremes = [e.float() for e in extremes]
+    if bool(torch.isfinite(torch.stack(extremes)).all()):
+        return
+    for name, t in checked:
         bad = torch.isnan(t) if name == "attn_mask" else ~torch.isfinite(t)
         if bool(bad.any()):
             what = "NaN" if name == "attn_mask" else "NaN or inf"
