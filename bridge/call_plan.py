@@ -163,8 +163,8 @@ class CallPlan:
         """Imports `tensors`, runs the forward executable and exports its outputs.
 
         Returns:
-            (outputs as torch tensors, JAX input arrays, all JAX results, torch stream pointer);
-            residuals stay JAX arrays; with `keep=False` only the outputs are exported.
+            (outputs as torch tensors, JAX input arrays, all JAX results, torch stream pointer,
+            the trace); residuals stay JAX arrays; with `keep=False`: (outputs,).
         """
         trace = self.trace()
         with jax.enable_x64(True) if self.x64 else contextlib.nullcontext():
@@ -176,7 +176,7 @@ class CallPlan:
             arrays = import_tensors(tensors, self.jax_device, jax_stream)
             results = trace.call(*arrays)
             outs = export_arrays(results[: trace.n_out], torch_stream)
-        return (outs, arrays, results, torch_stream) if keep else (outs,)
+        return (outs, arrays, results, torch_stream, trace) if keep else (outs,)
 
 
 def _narrow(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -190,9 +190,9 @@ class _EagerCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: CallPlan, *tensors: torch.Tensor):
-        outs, arrays, results, torch_stream = plan.run(tensors, keep=True)
+        outs, arrays, results, torch_stream, trace = plan.run(tensors, keep=True)
         n_out = len(outs)
-        ctx.plan = plan
+        ctx.plan, ctx.trace = plan, trace
         ctx.set_materialize_grads(False)
         if _saved_tensor_hooks_active():
             # Hooks (checkpointing, offloading) must see every saved tensor: hand the residuals
@@ -216,7 +216,7 @@ class _EagerCall(torch.autograd.Function):
         if not needed:
             return tuple(result)
         saved = ctx.saved_tensors  # raises if a saved tensor was modified in place
-        trace = plan.trace()
+        trace = ctx.trace
         present = tuple(j for j, g in enumerate(grads) if g is not None)
         cotangents = []
         for j in present:
