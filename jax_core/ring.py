@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -425,6 +426,23 @@ class _Prepared(NamedTuple):
     head: Any
 
 
+def use_gspmd_on_gpu(platform: str) -> bool:
+    """Switches this process from XLA's Shardy partitioner to GSPMD for a ring on GPU.
+
+    With Shardy (JAX's default) the XLA GPU compiler crashed (segmentation fault in its shardy-xla
+    pass) on every ring backward, with either block kernel; GSPMD compiles and runs the same
+    program (jax 0.11.2, 2x H200, 2026-11-22; `benchmarks/ring_gpu_diagnose.py`). The switch is
+    process-wide, so it warns once. Returns whether it switched.
+    """
+    if platform != "gpu" or not jax.config.jax_use_shardy_partitioner:
+        return False
+    warnings.warn("ring attention on GPU: switching this process to the GSPMD partitioner "
+                  "(jax_use_shardy_partitioner=False); XLA's Shardy pass crashes compiling the ring's "
+                  "backward. Set it yourself before the first call to silence this.", RuntimeWarning, stacklevel=3)
+    jax.config.update("jax_use_shardy_partitioner", False)
+    return True
+
+
 def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logits_soft_cap, segment_ids, scale,
              layout, inputs_in_layout, kernel, batch_axis, head_axis, chunk_q, chunk_k) -> _Prepared:
     """Checks a ring call and derives its static config, padded lengths and segment ids."""
@@ -433,6 +451,7 @@ def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logi
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}; "
                          "name the mesh axis the sequence is sharded over.")
+    use_gspmd_on_gpu(mesh.devices.flat[0].platform)
     n = mesh.shape[axis_name]
     b, t, hq, d = query.shape
     s, hk = key.shape[1], key.shape[2]

@@ -372,3 +372,19 @@ def test_torchrun_settings():
         torchrun_settings({k: v for k, v in env.items() if k != "RANK"})
     with pytest.raises(RuntimeError, match="RANK=2 is outside"):
         torchrun_settings(dict(env, RANK="2"))
+
+
+def test_gspmd_switch_only_for_gpu():
+    from jaxattn.jax_core.ring import use_gspmd_on_gpu
+
+    before = jax.config.jax_use_shardy_partitioner
+    try:
+        jax.config.update("jax_use_shardy_partitioner", True)
+        assert not use_gspmd_on_gpu("cpu")
+        assert jax.config.jax_use_shardy_partitioner
+        with pytest.warns(RuntimeWarning, match="GSPMD"):
+            assert use_gspmd_on_gpu("gpu")
+        assert not jax.config.jax_use_shardy_partitioner
+        assert not use_gspmd_on_gpu("gpu")  # already switched: no second warning
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)
