@@ -98,6 +98,15 @@ def sequence_mesh(devices: Optional[Sequence[jax.Device]] = None, axis_name: str
     return Mesh(np.array(devices), (axis_name,))
 
 
+def import_on_own_device(t: torch.Tensor) -> jax.Array:
+    """`t` as a JAX array on its own device, zero-copy. torch exports a CUDA tensor only while its
+    device is the current one, so a shard on another GPU is exported under that device."""
+    if t.is_cuda:
+        with torch.cuda.device(t.device):
+            return jax.dlpack.from_dlpack(importable(t))
+    return jax.dlpack.from_dlpack(importable(t))
+
+
 def global_from_shards(shards: Sequence[torch.Tensor], mesh: Mesh, spec: P, axis: int) -> jax.Array:
     """One global JAX array from this process's torch shards, without copies (DLPack).
 
@@ -114,7 +123,7 @@ def global_from_shards(shards: Sequence[torch.Tensor], mesh: Mesh, spec: P, axis
         raise ValueError(f"{len(shards)} shard(s) for the {len(targets)} device(s) this process has in the mesh.")
     arrays = []
     for t, target in zip(shards, targets):
-        x = jax.dlpack.from_dlpack(importable(t))
+        x = import_on_own_device(t)
         arrays.append(x if x.devices() == {target} else jax.device_put(x, target))
     shape = list(arrays[0].shape)
     shape[axis] *= mesh.shape[spec[axis]]

@@ -59,7 +59,7 @@ def test_jax_ring_two_gpus_bf16(layout):
         return jnp.sum(out.astype(jnp.float32) * cj.astype(jnp.float32)), out
 
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(qj, kj, vj)
-    back = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).transpose(1, 2).double().cuda()  # noqa: E731
+    back = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).transpose(1, 2).double().to(q.device)  # noqa: E731
     _check([back(out)] + [back(g) for g in grads], *(x.bfloat16().float() for x in (q, k, v, cot)), causal=True)
 
 
