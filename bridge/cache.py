@@ -97,13 +97,13 @@ def enable_persistent_cache(directory: Union[str, os.PathLike], *, min_compile_t
     misses; their compile time is then mostly loading). Call it before the first attention call.
 
     Args:
-        directory: where JAX writes its cache entries (created if missing; may be shared by
-            processes on one machine).
+        directory: where JAX writes its cache entries (`~` expands; created if missing; may be
+            shared by processes on one machine).
         min_compile_time_s: only executables that took at least this long to compile are kept.
     """
     if isinstance(min_compile_time_s, bool) or not isinstance(min_compile_time_s, (int, float)) or min_compile_time_s < 0:
         raise ValueError(f"min_compile_time_s={min_compile_time_s!r}: expected a float >= 0.")
-    directory = os.fspath(directory)
+    directory = os.path.expanduser(os.fspath(directory))
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))

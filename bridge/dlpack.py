@@ -42,9 +42,10 @@ try:  # jaxlib >= 0.7 (extension version 467): the five-argument importer
 
     _import_capsule = _jaxlib.dlpack_managed_tensor_to_buffer
     _export_capsule = _jaxlib.buffer_to_dlpack_managed_tensor
-    FAST_DLPACK = _EXT >= 467
+    _FAST_AVAILABLE = _EXT >= 467
 except (ImportError, AttributeError):  # pragma: no cover - older jaxlib
-    FAST_DLPACK = False
+    _FAST_AVAILABLE = False
+FAST_DLPACK = _FAST_AVAILABLE
 
 
 def set_fast_dlpack(enabled: bool) -> bool:
@@ -52,8 +53,11 @@ def set_fast_dlpack(enabled: bool) -> bool:
     the previous setting. Meant for tests and for ruling the fast path out when debugging."""
     global FAST_DLPACK
     previous = FAST_DLPACK
-    if enabled and "_import_capsule" not in globals():
-        raise RuntimeError("this jaxlib has no dlpack_managed_tensor_to_buffer; only the public path exists.")
+    if enabled and not _FAST_AVAILABLE:
+        raise RuntimeError(
+            f"jax {jax.__version__}: jaxlib lacks the known dlpack_managed_tensor_to_buffer signature; "
+            "only the public jax.dlpack path is available."
+        )
     FAST_DLPACK = bool(enabled)
     return previous
 
