@@ -8,14 +8,25 @@ import jax
 import torch
 
 
-@functools.lru_cache(maxsize=64)
 def to_jax_device(device: torch.device) -> jax.Device:
-    """The JAX device holding tensors of a torch device ("cpu" or "cuda:N")."""
+    """This process's JAX device holding tensors of a torch device ("cpu" or "cuda:N").
+
+    "cuda" without an index means the current CUDA device at the time of the call. Only local
+    devices count: with several processes (`jax.distributed`), every process has a GPU with local
+    hardware id 0 and its own first CPU device.
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _jax_device_of(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _jax_device_of(device: torch.device) -> jax.Device:
     if device.type == "cpu":
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        for d in jax.devices("gpu"):
+        index = device.index
+        for d in jax.local_devices(backend="gpu"):
             if d.local_hardware_id == index:
                 return d
         raise RuntimeError(f"device {device}: JAX sees no GPU with local hardware id {index}.")

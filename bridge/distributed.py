@@ -7,15 +7,15 @@ One process per GPU, as `torchrun` starts them (step by step):
            from jaxattn.bridge import initialize_from_torchrun
            initialize_from_torchrun()            # jax.distributed.initialize from those variables
     3. torch.cuda.set_device(local_rank); each rank builds its own sequence shard on its GPU.
-    4. jaxattn.torch_api.ring_attention(q_shard, k_shard, v_shard, is_causal=True)
-       returns this rank's output shard; XLA's collectives (NCCL on GPU, gloo on CPU) move the blocks.
+    4. each rank passes its torch shards to a jaxattn function that runs over the global mesh and
+       gets its own output shard back; XLA's collectives (NCCL on GPU, gloo on CPU) move the data.
 
 The JAX coordinator listens on MASTER_PORT + 1 by default (torch's own store uses MASTER_PORT);
 set JAXATTN_COORDINATOR_PORT to choose another port.
 
 Arrays: `global_from_shards` assembles torch shards (this process's, in mesh order) into one
 global JAX array without copying them; `torch_shards` hands back the addressable shards of a JAX
-array as torch tensors, in mesh order. Nothing here knows about attention.
+array as torch tensors, in mesh order. Nothing here knows what the computation is.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jax.dlpack
-
-from .dlpack import importable, to_torch
+from .dlpack import to_jax, to_torch
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -98,15 +96,6 @@ def sequence_mesh(devices: Optional[Sequence[jax.Device]] = None, axis_name: str
     return Mesh(np.array(devices), (axis_name,))
 
 
-def import_on_own_device(t: torch.Tensor) -> jax.Array:
-    """`t` as a JAX array on its own device, zero-copy. torch exports a CUDA tensor only while its
-    device is the current one, so a shard on another GPU is exported under that device."""
-    if t.is_cuda:
-        with torch.cuda.device(t.device):
-            return jax.dlpack.from_dlpack(importable(t))
-    return jax.dlpack.from_dlpack(importable(t))
-
-
 def global_from_shards(shards: Sequence[torch.Tensor], mesh: Mesh, spec: P, axis: int) -> jax.Array:
     """One global JAX array from this process's torch shards, without copies (DLPack).
 
@@ -116,15 +105,13 @@ def global_from_shards(shards: Sequence[torch.Tensor], mesh: Mesh, spec: P, axis
         mesh, spec: the global array's sharding; `spec[axis]` names the mesh axis split along `axis`.
         axis: the split dimension; the global size is the shard size times the mesh axis size.
     """
-    # Each shard is imported on its own process-local device (DLPack orders CUDA streams itself).
+    # Each shard is imported on its own process-local device (one stream handshake per device).
     # Shards of one torch device bound for several mesh devices (simulated CPU devices) are copied.
     targets = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if len(targets) != len(shards):
         raise ValueError(f"{len(shards)} shard(s) for the {len(targets)} device(s) this process has in the mesh.")
-    arrays = []
-    for t, target in zip(shards, targets):
-        x = import_on_own_device(t)
-        arrays.append(x if x.devices() == {target} else jax.device_put(x, target))
+    arrays = [x if x.devices() == {target} else jax.device_put(x, target)
+              for x, target in zip(to_jax(list(shards)), targets)]
     shape = list(arrays[0].shape)
     shape[axis] *= mesh.shape[spec[axis]]
     return jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, spec), arrays)
