@@ -38,7 +38,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..bridge.devices import to_jax_device
-from ..bridge.distributed import global_from_shards, import_on_own_device, torch_shards
+from ..bridge.dlpack import to_jax
+from ..bridge.distributed import global_from_shards, torch_shards
 from ..jax_core.ring import ring_attention as _jax_ring
 from ..jax_core.ring import ring_attention_backward as _jax_ring_backward
 from ..jax_core.ring_layout import LAYOUTS
@@ -97,7 +98,7 @@ def _import(groups, form: str, mesh: Mesh, axis: str):
             continue
         spec = _spec(group[0].dim(), axis)
         if form == "full":
-            x = import_on_own_device(group[0])
+            (x,) = to_jax([group[0]])
             seq = group[0].shape[2 if group[0].dim() >= 3 else 1]
             sharding = NamedSharding(mesh, spec if seq % mesh.shape[axis] == 0 else P())
             out.append(jax.device_put(x, sharding))
