@@ -242,13 +242,14 @@ def _to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
 def _check(name, actual, ref, tol, errors=None):
     """max |actual - ref| <= tol * max |ref| (relative to the tensor's scale), and no NaN/inf.
 
-    The scale has a floor of 0.1 (inputs are O(1)): a gradient that cancels to ~0, e.g. a row that
-    sees a single key (dS = P (dP - Delta) = 0 up to rounding), is held to an absolute 1e-6.
+    The scale has a floor of 0.5 (inputs are O(1)): a gradient that cancels to ~0, e.g. a row that
+    sees a single key (dS = P (dP - Delta) = 0 up to the rounding of two float32 dot products of
+    O(1) terms, 1.9e-6 under Triton 3.9's interpreter), is held to an absolute 5e-6.
     The relative error is recorded in `errors` (a dict) when given."""
     actual = actual.detach().cpu().to(torch.float64)
     assert torch.isfinite(actual).all(), f"{name}: non-finite values"
     err = (actual - ref).abs().max().item()
-    mag = max(ref.abs().max().item(), 0.1)
+    mag = max(ref.abs().max().item(), 0.5)
     if errors is not None:
         errors[name] = err / mag
     assert err <= tol * mag, f"{name}: max abs err {err:.3g} > {tol} * {mag:.3g}"
