@@ -4,7 +4,8 @@
 
 bf16, B=1, H=32, D=128, causal. For each total length T: one process runs `flash` on one GPU over
 the whole sequence; one process runs `ring` (zigzag layout, Triton block kernels) with the sequence
-sharded over both GPUs. Each reports the median forward+backward time (`jax.value_and_grad` of
+sharded over both GPUs, with float32 accumulators ("ring") and with accumulators in the inputs'
+dtype ("ring_input", `accumulation="input"`). Each reports the median forward+backward time (`jax.value_and_grad` of
 sum(out * cot)) and every GPU's peak memory. Scaling efficiency = t_flash / (2 t_ring); the ring's
 speedup over one GPU is t_flash / t_ring (ideal 2).
 """
@@ -31,12 +32,13 @@ def _measure(kind: str, length: int, iters: int, heads: int, dim: int) -> dict:
     gpus = jax.devices("gpu")
     keys = jax.random.split(jax.random.key(0), 4)
     shape = (1, length, heads, dim)
-    if kind == "ring":
+    if kind.startswith("ring"):
+        accumulation = "input" if kind == "ring_input" else "float32"
         mesh = Mesh(np.array(gpus[:2]), ("sp",))
         put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "sp", None, None)))  # noqa: E731
 
         def attn(q, k, v):
-            return ring_attention(q, k, v, mesh=mesh, causal=True)
+            return ring_attention(q, k, v, mesh=mesh, causal=True, accumulation=accumulation)
     else:
         put = lambda x: jax.device_put(x, gpus[0])  # noqa: E731
 
@@ -56,7 +58,7 @@ def _measure(kind: str, length: int, iters: int, heads: int, dim: int) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(step(q, k, v))
         times.append(time.perf_counter() - t0)
-    used = gpus[:2] if kind == "ring" else gpus[:1]
+    used = gpus[:2] if kind.startswith("ring") else gpus[:1]
     peaks = [d.memory_stats().get("peak_bytes_in_use", 0) / 2**30 for d in used]
     flops = 4 * length * length * dim * heads / 2 * 3.5  # causal fwd (2 matmuls) + bwd (2.5x)
     median = float(np.median(times))
@@ -71,7 +73,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--kinds", nargs="+", default=["flash", "ring"], choices=["flash", "ring"])
+    parser.add_argument("--kinds", nargs="+", default=["flash", "ring", "ring_input"],
+                        choices=["flash", "ring", "ring_input"])
     parser.add_argument("--one", nargs=2, metavar=("KIND", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # child process: one measurement, printed as JSON
@@ -96,11 +99,12 @@ def main() -> None:
             result["runs"].append(run)
             pair[kind] = run
             print(json.dumps(run)[:400], flush=True)
-        if "median_s" in pair.get("flash", {}) and "median_s" in pair.get("ring", {}):
-            speedup = pair["flash"]["median_s"] / pair["ring"]["median_s"]
-            result["pairs"].append(dict(length=length, speedup=speedup, efficiency=speedup / 2,
-                                        memory_ratio=max(pair["ring"]["peak_gib_per_gpu"]) / pair["flash"]["peak_gib_per_gpu"][0]))
-            print(json.dumps(result["pairs"][-1]), flush=True)
+        for ring in ("ring", "ring_input"):
+            if "median_s" in pair.get("flash", {}) and "median_s" in pair.get(ring, {}):
+                speedup = pair["flash"]["median_s"] / pair[ring]["median_s"]
+                result["pairs"].append(dict(length=length, kind=ring, speedup=speedup, efficiency=speedup / 2,
+                                            memory_ratio=max(pair[ring]["peak_gib_per_gpu"]) / pair["flash"]["peak_gib_per_gpu"][0]))
+                print(json.dumps(result["pairs"][-1]), flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 

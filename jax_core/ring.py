@@ -65,6 +65,8 @@ class RingConfig:
         kernel: "xla" or "triton" block kernel.
         chunk_q, chunk_k: tile sizes of the XLA kernel.
         fast_tanh: hardware tanh for the soft cap (Triton, 16-bit inputs, NVIDIA).
+        accumulation: dtype of the running output and the dQ / dK / dV accumulators ("float32",
+            or "input": the inputs' dtype, see `ring_attention`).
     """
 
     axis_name: str
@@ -77,6 +79,10 @@ class RingConfig:
     chunk_q: int = 512
     chunk_k: int = 512
     fast_tanh: bool = False
+    accumulation: str = "float32"
+
+
+ACCUMULATIONS = ("float32", "input")
 
 
 # --- block kernels ---------------------------------------------------------------------------------
@@ -84,6 +90,12 @@ class RingConfig:
 
 def _acc_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(jnp.float32, dtype)
+
+
+def _partial_dtype(dtype, cfg: RingConfig) -> jnp.dtype:
+    """Dtype of partial outputs and gradient accumulators: float32+ or, with accumulation="input",
+    the inputs' own dtype."""
+    return jnp.dtype(dtype) if cfg.accumulation == "input" else _acc_dtype(dtype)
 
 
 def _triton_config(band: Band, cfg: RingConfig):
@@ -108,7 +120,7 @@ def _block_forward(q, k, v, q_seg, k_seg, band: Band, cfg: RingConfig):
         from .kernels.flash_jax_triton import FlashExtras, flash_block_forward
 
         return flash_block_forward(q, k, v, FlashExtras(segment_ids=seg), _triton_config(band, cfg),
-                                   out_dtype=jnp.float32)
+                                   out_dtype=_partial_dtype(q.dtype, cfg))
     return block_forward(q, k, v, scale=cfg.scale, band=band, softcap=cfg.softcap, segment_ids=seg,
                          chunk_q=cfg.chunk_q, chunk_k=cfg.chunk_k, compute_dtype=_acc_dtype(q.dtype))
 
@@ -120,7 +132,7 @@ def _block_backward(q, k, v, do, lse, delta, q_seg, k_seg, band: Band, cfg: Ring
         from .kernels.flash_jax_triton import FlashExtras, flash_block_backward
 
         return flash_block_backward(q, k, v, do, lse, delta, FlashExtras(segment_ids=seg), _triton_config(band, cfg),
-                                    grad_dtype=jnp.float32)
+                                    grad_dtype=_partial_dtype(q.dtype, cfg))
     return block_backward(q, k, v, do, lse, delta, scale=cfg.scale, band=band, softcap=cfg.softcap, segment_ids=seg,
                           chunk_q=cfg.chunk_q, chunk_k=cfg.chunk_k, compute_dtype=_acc_dtype(q.dtype))
 
@@ -138,7 +150,8 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     ref = jnp.where(jnp.isfinite(lse), lse, 0)
     w_a = jnp.swapaxes(jnp.exp(lse_a - ref), 1, 2)[..., None]
     w_b = jnp.swapaxes(jnp.exp(lse_b - ref), 1, 2)[..., None]
-    return out_a * w_a + out_b * w_b, lse
+    # Weighted in the LSE's precision (fused, no float32 copy); the result keeps out_a's dtype.
+    return (out_a.astype(lse.dtype) * w_a + out_b.astype(lse.dtype) * w_b).astype(out_a.dtype), lse
 
 
 def _rows(x, start, length, axis):
@@ -188,7 +201,7 @@ def _next_hop(n: int) -> list[tuple[int, int]]:
 def _ring_forward(q, k, v, q_seg, k_seg, cfg: RingConfig):
     b, t, hq, _ = q.shape
     acc = _acc_dtype(q.dtype)
-    acc_out = jnp.zeros((b, t, hq, v.shape[-1]), acc)
+    acc_out = jnp.zeros((b, t, hq, v.shape[-1]), _partial_dtype(q.dtype, cfg))
     acc_lse = jnp.full((b, hq, t), -jnp.inf, acc)
     block = (k, v, k_seg)
     branch = functools.partial(_forward_branch, cfg=cfg)
@@ -232,8 +245,9 @@ def _ring_vjp_bwd(cfg, residuals, cotangents):
         lse_k, delta_k = lse.astype(jnp.float32), delta.astype(jnp.float32)
     else:
         lse_k, delta_k = lse.astype(acc), delta
-    dq = jnp.zeros(q.shape, acc)
-    dk, dv = jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)
+    grad = _partial_dtype(q.dtype, cfg)
+    dq = jnp.zeros(q.shape, grad)
+    dk, dv = jnp.zeros(k.shape, grad), jnp.zeros(v.shape, grad)
     block = (k, v, k_seg)
     branch = functools.partial(_backward_branch, cfg=cfg)
     for step in range(cfg.n):
@@ -316,6 +330,7 @@ def ring_attention(
     chunk_q: int = 512,
     chunk_k: int = 512,
     return_lse: bool = False,
+    accumulation: str = "float32",
 ):
     """Ring attention of global (B, T, Hq, D) / (B, S, Hk, D) / (B, S, Hk, Dv) arrays.
 
@@ -343,6 +358,11 @@ def ring_attention(
         batch_axis, head_axis: optional mesh axes for the batch and head dims.
         chunk_q, chunk_k: tile sizes of the XLA kernel.
         return_lse: also return the (B, Hq, T) float32 log-sum-exp (sinks included).
+        accumulation: "float32" (default) keeps the running output and the dQ / dK / dV
+            accumulators (dK / dV travel round the ring with their block) in float32; "input"
+            keeps them, and the block kernels' partial results, in the inputs' dtype: for 16-bit
+            inputs about half the ring's accumulator memory and half its gradient traffic, at the
+            price of one rounding to that dtype per ring step.
 
     Returns:
         (B, T, Hq, Dv) output, or (output, lse) with `return_lse`.
@@ -354,7 +374,7 @@ def ring_attention(
     prep = _prepare(query, key, value, mesh=mesh, axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap, segment_ids=segment_ids, scale=scale, layout=layout,
                     inputs_in_layout=inputs_in_layout, kernel=kernel, batch_axis=batch_axis, head_axis=head_axis,
-                    chunk_q=chunk_q, chunk_k=chunk_k)
+                    chunk_q=chunk_q, chunk_k=chunk_k, accumulation=accumulation)
     t, tp, sp = query.shape[1], prep.tp, prep.sp
     out, lse = _sharded_ring(mesh, prep.cfg, prep.batch, prep.head, not inputs_in_layout)(
         _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), prep.q_seg, prep.k_seg)
@@ -387,6 +407,7 @@ def ring_attention_backward(
     head_axis: Optional[str] = None,
     chunk_q: int = 512,
     chunk_k: int = 512,
+    accumulation: str = "float32",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of `ring_attention` from its saved output and LSE, without recomputing the forward.
 
@@ -403,7 +424,7 @@ def ring_attention_backward(
     prep = _prepare(query, key, value, mesh=mesh, axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap, segment_ids=segment_ids, scale=scale, layout=layout,
                     inputs_in_layout=inputs_in_layout, kernel=kernel, batch_axis=batch_axis, head_axis=head_axis,
-                    chunk_q=chunk_q, chunk_k=chunk_k)
+                    chunk_q=chunk_q, chunk_k=chunk_k, accumulation=accumulation)
     t, s, tp, sp = query.shape[1], key.shape[1], prep.tp, prep.sp
     if dlse is None:
         dlse = jnp.zeros(lse.shape, lse.dtype)
@@ -444,7 +465,7 @@ def use_gspmd_on_gpu(platform: str) -> bool:
 
 
 def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logits_soft_cap, segment_ids, scale,
-             layout, inputs_in_layout, kernel, batch_axis, head_axis, chunk_q, chunk_k) -> _Prepared:
+             layout, inputs_in_layout, kernel, batch_axis, head_axis, chunk_q, chunk_k, accumulation) -> _Prepared:
     """Checks a ring call and derives its static config, padded lengths and segment ids."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: expected a jax.sharding.Mesh.")
@@ -468,6 +489,8 @@ def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logi
         kernel = default_kernel(_platform(query))
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS} or None.")
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"accumulation={accumulation!r}: expected one of {ACCUMULATIONS}.")
     natural = not inputs_in_layout
     unit = rl.length_multiple(n, layout, natural)
     tp, sp = rl.padded_length(t, n, layout, natural), rl.padded_length(s, n, layout, natural)
@@ -486,6 +509,7 @@ def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logi
         axis_name=axis_name, n=n, layout=layout, rule=rule, scale=float(scale if scale is not None else d ** -0.5),
         softcap=None if logits_soft_cap is None else float(logits_soft_cap), kernel=kernel,
         chunk_q=chunk_q, chunk_k=chunk_k, fast_tanh=kernel == "triton" and jnp.dtype(query.dtype).itemsize < 4,
+        accumulation=accumulation,
     )
     return _Prepared(cfg, tp, sp, q_seg, k_seg, _mesh_axis(mesh, batch_axis), _mesh_axis(mesh, head_axis))
 

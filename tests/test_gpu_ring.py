@@ -41,8 +41,9 @@ def _check(got, q, k, v, cot, **kw):
         assert ours <= 2 * theirs + 1e-4, f"{name}: error {ours:.3g} > 2 x torch bf16 error {theirs:.3g}"
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
-def test_jax_ring_two_gpus_bf16(layout):
+@pytest.mark.parametrize("layout,accumulation", [("zigzag", "float32"), ("striped", "float32"),
+                                                 ("contiguous", "float32"), ("zigzag", "input")])
+def test_jax_ring_two_gpus_bf16(layout, accumulation):
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -55,7 +56,7 @@ def test_jax_ring_two_gpus_bf16(layout):
     qj, kj, vj, cj = (to_j(x.bfloat16().float()) for x in (q, k, v, cot))
 
     def loss(a, b, c):
-        out = ring_attention(a, b, c, mesh=mesh, causal=True, layout=layout)
+        out = ring_attention(a, b, c, mesh=mesh, causal=True, layout=layout, accumulation=accumulation)
         return jnp.sum(out.astype(jnp.float32) * cj.astype(jnp.float32)), out
 
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(qj, kj, vj)

@@ -123,6 +123,36 @@ def test_ring_cross_attention_uneven_lengths_and_bidirectional_window():
     _check_ring(8, layout="striped", causal=False, window=(5, 3), segments=True, t=64, seed=7)
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_ring_accumulation_in_input_dtype_bf16(n):
+    """accumulation="input": bf16 partials and dK / dV travelling in bf16 stay within flash-attn's
+    rule (error against float64 at most 2x that of torch's own bf16 attention), on 2 and 8 devices;
+    float32 accumulation is checked alongside, and the option is refused when misspelt."""
+    q, k, v, cot, _, _ = _case(20 + n, 1, 4, 2, 32 * n, 32 * n, 64)
+    q, k, v, cot = (x.bfloat16().double() for x in (q, k, v, cot))  # inputs exactly representable in bf16
+    _, _, exact = _oracle(q, k, v, cot, None, None, causal=True)
+    out_exact = reference(q, k, v, causal=True)[0]
+    qb, kb, vb = (x.bfloat16().requires_grad_(True) for x in (q, k, v))
+    out_torch = reference(qb, kb, vb, causal=True, dtype=torch.bfloat16)[0]
+    (out_torch.double() * cot).sum().backward()
+    torch_errors = [(out_torch.double() - out_exact).abs().max().item()] + [
+        (x.grad.double() - g).abs().max().item() for x, g in zip((qb, kb, vb), exact)]
+    mesh = _mesh(n)
+    bf = lambda t: jnp.asarray(_j(t), jnp.bfloat16)  # noqa: E731
+    for accumulation in ("input", "float32"):
+        def loss(a, b_, c):
+            out = ring_attention(a, b_, c, mesh=mesh, causal=True, chunk_q=16, chunk_k=16, accumulation=accumulation)
+            return jnp.sum(out.astype(jnp.float32) * _j(cot)), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(bf(q), bf(k), bf(v))
+        assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+        ours = [(_t(x.astype(jnp.float32)) - e).abs().max().item() for x, e in zip((out, *grads), (out_exact, *exact))]
+        for name, mine, theirs in zip(("out", "dq", "dk", "dv"), ours, torch_errors):
+            assert mine <= 2 * theirs + 1e-3, f"{accumulation} {name}: {mine:.3g} > 2 x torch bf16 {theirs:.3g}"
+    with pytest.raises(ValueError, match="accumulation='bf16'"):
+        ring_attention(bf(q), bf(k), bf(v), mesh=mesh, causal=True, accumulation="bf16")
+
+
 def test_ring_triton_block_kernels_under_interpreter(monkeypatch):
     """The GPU path (Triton flash kernels as block kernels, float32 partials) on 2 and 4 devices."""
     pytest.importorskip("triton")
