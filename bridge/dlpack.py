@@ -111,10 +111,20 @@ _local = threading.local()
 def cuda_handshake(device: torch.device, jax_device: jax.Device) -> tuple[int, int]:
     """Orders JAX's external-ready-events stream after torch's current stream on `device`.
 
+    Raises RuntimeError while torch's current stream is capturing a CUDA graph (JAX's work would
+    not be part of the graph; CUDA would invalidate the capture with an opaque error).
+
     Returns:
         (JAX stream pointer for `import_tensors`, torch stream pointer for `export_arrays`; 1
         stands for CUDA's legacy default stream, as DLPack spells it).
     """
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "jaxattn.bridge: a JAX computation cannot be captured in a CUDA graph (torch.cuda.graph, "
+            "torch.compile's mode='reduce-overhead'): JAX launches its kernels on its own streams, outside "
+            "the capture. Run this call outside the captured region (capture the code around it), or use "
+            "torch.compile(mode='max-autotune-no-cudagraphs')."
+        )
     jax_stream = jax_device.get_stream_for_external_ready_events()
     external = _external_streams.get(jax_stream)
     if external is None:

@@ -353,11 +353,11 @@ def test_cuda_graph_capture(impl):
          exception=json.dumps(chain[0][:300] if chain else None), checks=json.dumps(checks))
     detail = f"rc={run.returncode}\nstdout:\n{out[-3000:]}\nstderr tail:\n{err[-3000:]}"
     assert checks.get("warmup") == "True", f"the uncaptured warm-up call failed or was wrong; {detail}"
-    assert outcome in ("raised", "captured"), f"capturing a jaxattn call ({impl}) crashed the process; {detail}"
+    assert outcome == "raised", f"capturing a jaxattn call ({impl}) did not raise the bridge's error; {detail}"
     assert run.returncode == 0 and "GRAPH done" in out, f"the process died after the capture; {detail}"
     if outcome == "raised":
         text = "\n".join(chain)
-        assert re.search(r"graph|captur", text, re.IGNORECASE), (
+        assert "cannot be captured in a CUDA graph" in text, (
             f"capture raised, but the message does not say that CUDA graph capture is the problem: {chain}")
     else:
         assert checks.get("replay1") == "True" and checks.get("replay2") == "True", (
