@@ -8,7 +8,9 @@ For the drop-in's compiled forward (bf16, causal on CUDA; float32 on CPU) of eac
   * the same executable on JAX-allocated inputs instead of DLPack-imported ones;
   * the executable's kernels: the ENTRY instructions of its optimised HLO by opcode;
   * a trivial executable (x + 1) on an array of the same shape: JAX's floor per dispatch;
-  * the import of one tensor with and without a stream (the latter only timed, never used).
+  * the import of one tensor with and without a stream (the latter only timed, never used);
+  * forward+backward: the whole `autograd.grad` call, the vjp forward's and the backward
+    executable's dispatch and time to ready, and the backward executable's kernels.
 Variants: XLA's defaults, and command buffers (CUDA graphs) off. The parent prints one JSON.
 """
 
@@ -121,8 +123,52 @@ def child(shape, device: str) -> dict:
             info["entry_ops"] = _entry_ops(trace.call.as_text())
         except Exception as exc:  # as_text is informative only
             info["entry_ops"] = repr(exc)[:200]
+        info.update(_training_breakdown(impl, q, k, v, jdev, jstream, sync))
         row["impls"][impl] = info
     return row
+
+
+def _training_breakdown(impl, q, k, v, jdev, jstream, sync) -> dict:
+    """forward+backward: the whole `autograd.grad` call, the vjp forward's and the backward
+    executable's dispatch and time to ready, and the backward executable's kernels."""
+    import jax
+    import torch
+
+    from jaxattn.bridge import dlpack
+    from jaxattn.bridge.traces import CACHE
+    from jaxattn.torch_api import scaled_dot_product_attention, sdpa_implementation
+    from jaxattn.torch_api import sdpa as sdpa_module
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn_like(q)
+
+    def step():
+        with sdpa_implementation(impl):
+            return torch.autograd.grad(scaled_dot_product_attention(*leaves, is_causal=True), leaves, dout)
+
+    out: dict = {"fwdbwd_call_us": _host_us(step, n=100, sync=sync)}
+    plan = next(p for s, p in sdpa_module._plans.items()
+                if p.static.get("implementation") in (impl, (impl,)) and s[-1] is True)
+    cp = plan.call
+    trace = cp.trace()
+    arrays = dlpack.import_tensors([dlpack.importable(t) for t in leaves], jdev, jstream)
+    out["vjp_forward_dispatch_host_us"] = _host_us(lambda: trace.call(*arrays), n=100, sync=sync)
+    out["vjp_forward_ready_us"] = _ready_us(lambda: trace.call(*arrays))
+    results = trace.call(*arrays)
+    backward = [v_ for k_, v_ in CACHE._data.items() if k_[0] == "bwd" and k_[2] == cp.spec]
+    if backward:
+        bwd = backward[-1]
+        cot = dlpack.import_tensors([dout], jdev, jstream)
+        operands = [*arrays, *results, *cot]  # inputs, outputs + residuals, the output's cotangent
+        try:
+            out["backward_dispatch_host_us"] = _host_us(lambda: bwd(*operands), n=100, sync=sync)
+            out["backward_ready_us"] = _ready_us(lambda: bwd(*operands))
+            out["backward_entry_ops"] = _entry_ops(bwd.as_text())
+        except Exception as exc:  # informative only
+            out["backward_error"] = repr(exc)[:300]
+    out["forward_vjp_entry_ops"] = _entry_ops(trace.call.as_text())
+    jax.block_until_ready(results)
+    return out
 
 
 def main() -> None:
