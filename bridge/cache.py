@@ -35,7 +35,12 @@ class CacheInfo:
 
 
 class LRUCache:
-    """Maps signatures to built values; builds on a miss and evicts the least recently used."""
+    """Maps signatures to built values; builds on a miss and evicts the least recently used.
+
+    Thread-safe. A key is built once even when several threads miss it at the same time: the
+    first builds (a miss) while the others wait for its value (a hit each; if that build raises,
+    one of them builds instead). Every lookup counts exactly once, as a hit or a miss.
+    """
 
     def __init__(self, maxsize: int = 256):
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize <= 0:
@@ -43,33 +48,56 @@ class LRUCache:
         self.maxsize = maxsize
         self._data: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._building: dict[Hashable, tuple[threading.Event, int]] = {}  # key -> (done, builder thread)
         self.hits = 0
         self.misses = 0
         self.build_seconds = 0.0
         self.last_build_seconds = 0.0
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        with self._lock:
-            value = self._data.get(key, _MISSING)
-            if value is not _MISSING:
-                self.hits += 1
+        """The value held for `key`; on a miss, `build()`'s, kept (evicting beyond maxsize).
+
+        Raises:
+            Whatever `build` raises, in the thread that ran it; threads waiting on it look again.
+        """
+        while True:
+            with self._lock:
+                value = self._data.get(key, _MISSING)
+                if value is not _MISSING:
+                    self.hits += 1
+                    self._data.move_to_end(key)
+                    return value
+                pending = self._building.get(key)
+                me = threading.get_ident()
+                if pending is None or pending[1] == me:  # nobody builds it (or this thread, re-entered)
+                    self.misses += 1
+                    done = threading.Event()
+                    self._building[key] = (done, me)
+                    break
+            pending[0].wait()  # then look again: built (a hit), or the build failed or was evicted
+        try:
+            start = time.perf_counter()
+            value = build()
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self.build_seconds += elapsed
+                self.last_build_seconds = elapsed
+                self._data[key] = value
                 self._data.move_to_end(key)
-                return value
-            self.misses += 1
-        start = time.perf_counter()
-        value = build()
-        elapsed = time.perf_counter() - start
-        with self._lock:
-            self.build_seconds += elapsed
-            self.last_build_seconds = elapsed
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
+                while len(self._data) > self.maxsize:
+                    self._data.popitem(last=False)
+        finally:
+            with self._lock:
+                if self._building.get(key, (None,))[0] is done:
+                    del self._building[key]
+            done.set()
         return value
 
     def info(self) -> CacheInfo:
-        return CacheInfo(self.hits, self.misses, len(self._data), self.maxsize, self.build_seconds, self.last_build_seconds)
+        with self._lock:  # one consistent snapshot while other threads count
+            return CacheInfo(
+                self.hits, self.misses, len(self._data), self.maxsize, self.build_seconds, self.last_build_seconds
+            )
 
     def clear(self) -> None:
         with self._lock:
@@ -94,7 +122,7 @@ def enable_persistent_cache(directory: Union[str, os.PathLike], *, min_compile_t
 
     A process that starts again with the same `directory` loads the executables of shapes it has
     compiled before instead of compiling them (the in-memory cache above still counts these as
-    misses; their compile time is then mostly loading). Call it before the first attention call.
+    misses; their compile time is then mostly loading). Call it before the first compiled call.
 
     Args:
         directory: where JAX writes its cache entries (`~` expands; created if missing; may be

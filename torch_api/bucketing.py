@@ -10,17 +10,31 @@ largest bucket: up to a multiple of it), masks the padded keys, runs, and slices
 to L rows. Results equal the unbucketed call's (padded keys get zero weight; padded query rows
 are dropped and receive no gradient). Off by default: padding costs copies and compute.
 With dropout_p > 0 the dropout draws differ from an unbucketed call's (they depend on the shape).
+
+`set_sequence_buckets` sets the process-wide default; a `sequence_buckets` block applies to the
+thread that entered it only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Iterable, Iterator, Optional
 
 Buckets = Optional[tuple[int, ...]]
 
-_stack: list[Buckets] = [None]
+_default: list[Buckets] = [None]  # process-wide, set by set_sequence_buckets
+
+
+class _ThreadBlocks(threading.local):
+    """Each thread's stack of active `sequence_buckets` blocks (empty: the process default)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Buckets] = []
+
+
+_blocks = _ThreadBlocks()
 
 
 def _normalize(buckets: Optional[Iterable[int]], argument: str) -> Buckets:
@@ -38,12 +52,13 @@ def _normalize(buckets: Optional[Iterable[int]], argument: str) -> Buckets:
 
 def set_sequence_buckets(buckets: Optional[Iterable[int]]) -> None:
     """Sets the buckets used outside any `sequence_buckets` block; None turns bucketing off."""
-    _stack[0] = _normalize(buckets, "buckets")
+    _default[0] = _normalize(buckets, "buckets")
 
 
 def current_sequence_buckets() -> Buckets:
     """The active buckets (sorted), or None when bucketing is off."""
-    return _stack[-1]
+    stack = _blocks.stack
+    return stack[-1] if stack else _default[0]
 
 
 @contextlib.contextmanager
@@ -54,11 +69,12 @@ def sequence_buckets(buckets: Optional[Iterable[int]]) -> Iterator[None]:
         buckets: positive ints, e.g. [128, 256, 512, 1024]; lengths above the largest are
             padded to a multiple of it.
     """
-    _stack.append(_normalize(buckets, "buckets"))
+    stack = _blocks.stack
+    stack.append(_normalize(buckets, "buckets"))
     try:
         yield
     finally:
-        _stack.pop()
+        stack.pop()
 
 
 def bucket_length(n: int, buckets: tuple[int, ...]) -> int:

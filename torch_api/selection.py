@@ -7,19 +7,34 @@
     ...     out = scaled_dot_product_attention(q, k, v)          # first of these that can run
 
 An explicit `implementation=` argument overrides the context. The previous choice is restored on
-exit, also when the block raises.
+exit, also when the block raises. The choice is per thread: a block steers only the calls of the
+thread that entered it (other threads keep their own, by default automatic, choice).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator, Optional, Sequence, Union
 
 from ..jax_core import AttentionRegistry
 
 Choice = Optional[Union[str, tuple[str, ...]]]
 
-_current: list[Choice] = [None]
+
+class _ThreadChoices(threading.local):
+    """Each thread's stack of active choices (a thread starts with [None]: automatic).
+
+    A module-level stack let one thread's block steer other threads' calls, and interleaved exits
+    popped each other's entries. A `threading.local` (rather than a ContextVar) keeps
+    torch.compile able to read the choice and guard on it.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[Choice] = [None]
+
+
+_current = _ThreadChoices()
 
 
 def normalize_choice(implementation: Union[None, str, Sequence[str]], argument: str = "implementation") -> Choice:
@@ -41,7 +56,7 @@ def normalize_choice(implementation: Union[None, str, Sequence[str]], argument: 
 
 def current_implementation() -> Choice:
     """The choice made by the innermost active `sdpa_implementation` block (None: automatic)."""
-    return _current[-1]
+    return _current.stack[-1]
 
 
 @contextlib.contextmanager
@@ -52,8 +67,9 @@ def sdpa_implementation(implementations: Union[str, Sequence[str]]) -> Iterator[
         implementations: a registered name (forced), or a list of names tried in order.
     """
     choice = normalize_choice(implementations, "implementations")
-    _current.append(choice)
+    stack = _current.stack
+    stack.append(choice)
     try:
         yield
     finally:
-        _current.pop()
+        stack.pop()
