@@ -195,7 +195,11 @@ def to_jax(tensors: Sequence[torch.Tensor]) -> list[jax.Array]:
     """Imports tensors into JAX (zero-copy where `importable` allows), one stream handshake per device.
 
     64-bit tensors become 32-bit arrays unless JAX's x64 mode is on (as `jax.dlpack.from_dlpack`).
+
+    Raises:
+        TypeError: `tensors` is not a list or tuple of torch tensors.
     """
+    _check_sequence("to_jax", "tensors", tensors, torch.Tensor, "torch.Tensor")
     tensors = [importable(t) for t in tensors]
     out: list[Optional[jax.Array]] = [None] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
@@ -215,10 +219,24 @@ def _canonical(a: jax.Array) -> jax.Array:
 
 
 def to_torch(arrays: Sequence[jax.Array]) -> list[torch.Tensor]:
-    """Exports JAX arrays to torch, zero-copy; torch's current stream waits for them."""
+    """Exports JAX arrays to torch, zero-copy; torch's current stream waits for them.
+
+    Raises:
+        TypeError: `arrays` is not a list or tuple of JAX arrays.
+    """
+    _check_sequence("to_torch", "arrays", arrays, jax.Array, "jax.Array")
     out = []
     for a in arrays:
         (device,) = a.devices()
         stream = torch_stream(torch.device("cuda", device.local_hardware_id)) if device.platform in ("gpu", "cuda") else None
         out.extend(export_arrays([a], stream))
     return out
+
+
+def _check_sequence(function: str, argument: str, values, kind: type, kind_name: str) -> None:
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{function}: {argument} must be a list or tuple of {kind_name}, got a {type(values).__name__} "
+                        f"(wrap a single one: {function}([x])).")
+    for i, value in enumerate(values):
+        if not isinstance(value, kind):
+            raise TypeError(f"{function}: {argument}[{i}] is a {type(value).__name__}; expected a {kind_name}.")

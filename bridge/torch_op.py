@@ -163,7 +163,7 @@ class JaxOp:
             raise ValueError(f"name={name!r}: expected a non-empty str.")
         if name in _OPS and _OPS[name].fn is not fn:
             raise ValueError(f"name={name!r} is already registered to {_OPS[name].fn!r}; choose another name.")
-        if not isinstance(num_outputs, int) or num_outputs < 1:
+        if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
             raise ValueError(f"num_outputs={num_outputs!r}: expected an int >= 1.")
         self.fn, self.name, self.num_outputs = fn, name, num_outputs
         self._plans: dict[tuple, CallPlan] = {}
@@ -178,6 +178,8 @@ class JaxOp:
                 plan = self._plans.get(key)
             except (NotPlain, AttributeError, TypeError):  # not plain tensors, or unhashable statics
                 key = plan = None
+            if plan is None:  # a new signature: its static arguments were never checked
+                _check_static(self.name, static)
             if key is not None:
                 if plan is None:
                     plan = self._remember(key, CallPlan(self, args, static))
@@ -193,6 +195,7 @@ class JaxOp:
         devices, requires_grad and leafness as these, under the same grad mode; callers that
         cache plans key them by all of these.
         """
+        _check_static(self.name, static)
         return CallPlan(self, args, static)
 
     def _remember(self, key: tuple, plan: CallPlan) -> CallPlan:
@@ -200,6 +203,23 @@ class JaxOp:
             self._plans.clear()
         self._plans[key] = plan
         return plan
+
+
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+def _is_constant(value) -> bool:
+    """Whether a static argument survives the spec string (repr, then ast.literal_eval) unchanged."""
+    return type(value) in _CONSTANT_TYPES or (type(value) is tuple and all(_is_constant(v) for v in value))
+
+
+def _check_static(op_name: str, static: dict) -> None:
+    for name, value in static.items():
+        if not _is_constant(value):
+            raise TypeError(
+                f"{op_name}: keyword argument {name}={value!r} is a {type(value).__name__}; expected a static "
+                "Python constant (bool, int, float, str, None or a tuple of those); pass tensors positionally."
+            )
 
 
 def jax_op(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, num_outputs: int = 1):

@@ -130,6 +130,22 @@ def _check_values(lengths, starts, capacity: int) -> None:
         raise AttentionInputError(f"cache_starts: values {starts.tolist()} must be >= 0.")
 
 
+def _check_pages(block_table, lengths, starts, page_size: int, num_pages: int) -> None:
+    """On CPU: the block_table entries that hold positions in [cache_starts, cache_seqlens) name real pages."""
+    if block_table.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    slot = torch.arange(block_table.shape[1])[None, :]
+    used = slot < (lengths[:, None].long() + page_size - 1) // page_size
+    if starts is not None:
+        used &= slot >= starts[:, None].long() // page_size
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        raise AttentionInputError(f"block_table: entry [{b}, {j}] = {int(block_table[b, j])} is not a page of k_cache "
+                                  f"({num_pages} pages; {int(bad.sum())} bad entries in all); expected page indices in "
+                                  f"[0, {num_pages - 1}] wherever a page holds positions below cache_seqlens.")
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -156,7 +172,8 @@ def decode_attention(
         cache_seqlens: (B,) int32 (or int64) number of valid positions per sequence (exclusive end),
             at most the capacity (S_max, or max_pages * PS).
         cache_starts: (B,) int32 first valid position per sequence (e.g. left padding), or None (0).
-        block_table: (B, max_pages) int32 page indices: a paged cache.
+        block_table: (B, max_pages) int32 page indices in [0, P): a paged cache (entries for pages
+            past cache_seqlens are not read; on CPU the used entries are range-checked).
         window: w >= 0: each query sees positions >= its own - w; None: unbounded.
         softcap: c > 0: logits -> c * tanh(logits / c).
         sinks: (Hq,) or (Hq, n) float attention-sink logits (gpt-oss style).
@@ -210,7 +227,9 @@ def decode_attention(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse={return_lse!r}: expected a bool.")
     _check_values(lengths, starts, capacity)
-    check_finite({"q": q})
+    if paged:
+        _check_pages(block_table, lengths, starts, k_cache.shape[1], k_cache.shape[0])
+    check_finite({"q": q, "sinks": sinks})
     op = _decode_lse_jax if return_lse else _decode_jax
     return op(
         q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window,

@@ -26,6 +26,7 @@ local to each sequence (bottom-right: offset len_k(n) - len_q(n)). Query rows fr
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional, Sequence, Union
 
 import jax
@@ -128,6 +129,30 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q) -> None:
         )
 
 
+def _check_cu_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlens, max_seqlen) -> None:
+    """Value checks of CPU cu_seqlens (on CUDA they would cost a host sync): 0 first, non-decreasing,
+    last entry within the packed length, longest sequence within the given max_seqlen, rounded. Skipped
+    while torch.compile traces (the values are data-dependent there)."""
+    if cu_seqlens_q.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bounds = (None, None) if max_seqlen is None else max_seqlen
+    for name, cu, total, side, given, bound in (
+            ("cu_seqlens_q", cu_seqlens_q, total_q, "q", max_seqlens[0], bounds[0]),
+            ("cu_seqlens_k", cu_seqlens_k, total_k, "k", max_seqlens[1], bounds[1])):
+        values = cu.tolist()
+        steps = [b - a for a, b in zip(values, values[1:])]
+        if values[0] != 0 or min(steps) < 0:
+            raise AttentionInputError(f"{name}: values {values} must start at 0 and never decrease (cumulative "
+                                      f"sequence lengths, e.g. [0, 5, 12]).")
+        if values[-1] > total:
+            raise AttentionInputError(f"{name}: last value {values[-1]} exceeds the {total} packed rows of {side} "
+                                      f"(shape[0]); expected cumulative lengths ending at most at {total}.")
+        if given is not None and max(steps) > bound:
+            raise AttentionInputError(f"max_seqlen_{side}={given!r}: the longest sequence in {name} {values} is "
+                                      f"{max(steps)} (> {bound}, the bound rounded up to a power of two); expected "
+                                      f"None or an int >= {max(steps)}.")
+
+
 def _max_seqlen(name: str, value, total: int) -> int:
     """A per-sequence length bound as a static argument, rounded up to a power of two (at most `total`)."""
     if value is None:
@@ -157,7 +182,8 @@ def _segment_pair(segment_ids, q, b: int, l: int, s: int):
                 f"{'S' if name == 'kv_ids' else 'L'}) = {want}."
             )
         if t.device != q.device:
-            raise AttentionInputError(f"segment_ids: {name} is on {t.device} but q is on {q.device}.")
+            raise AttentionInputError(f"segment_ids: {name} is on {t.device} but q is on {q.device} (move it with "
+                                      ".to(q.device)).")
     return pairs[0][1], (pairs[1][1] if len(pairs) == 2 else None)
 
 
@@ -171,11 +197,13 @@ def _check_options(causal_alignment, window, softcap, sinks, scale, hq: int, dev
     if causal_alignment not in ("top_left", "bottom_right"):
         raise AttentionInputError(f"causal_alignment={causal_alignment!r}: expected 'top_left' or 'bottom_right'.")
     if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
+        if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(
+                isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window):
             raise AttentionInputError(f"window={window!r}: expected (left, right) ints >= -1.")
         window = tuple(window)
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
-        raise AttentionInputError(f"softcap={softcap!r}: expected a positive float or None.")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 < softcap < math.inf):
+        raise AttentionInputError(f"softcap={softcap!r}: expected a positive finite float or None.")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or sinks.dim() not in (1, 2) or sinks.shape[0] != hq:
             raise AttentionInputError(
@@ -185,8 +213,23 @@ def _check_options(causal_alignment, window, softcap, sinks, scale, hq: int, dev
         if not sinks.dtype.is_floating_point or sinks.device != device:
             raise AttentionInputError(f"sinks: expected a float tensor on {device}, got {sinks.dtype} on {sinks.device}.")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale={scale!r}: expected None or a float.")
+        raise TypeError(f"scale={scale!r}: expected None or a finite float, got {type(scale).__name__}.")
+    if scale is not None and not math.isfinite(scale):
+        raise AttentionInputError(f"scale={scale!r}: expected None or a finite float.")
     return window
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}.")
+
+
+def check_same_batch(q: torch.Tensor, k: torch.Tensor) -> None:
+    """q and k/v must share the batch dim (check_qkv lets a key batch of 1 broadcast, as torch's SDPA does)."""
+    if k.shape[0] != q.shape[0]:
+        raise AttentionInputError(f"k: batch {k.shape[0]} != q batch {q.shape[0]} (q {tuple(q.shape)}, "
+                                  f"k {tuple(k.shape)}); expected equal batch dims (this API does not broadcast "
+                                  "them: expand k and v).")
 
 
 def flash_attention(
@@ -228,7 +271,8 @@ def flash_attention(
             pair (q_ids (B, L), kv_ids (B, S)); query i sees key j only where the ids are equal.
             Any integer dtype (converted to int32 inside JAX); not with cu_seqlens.
         cu_seqlens_q: (N + 1,) int32 (or int64) tensor on q's device: cumulative query lengths of
-            the N packed sequences, cu_seqlens_q[0] == 0 (values are not checked: no host sync).
+            the N packed sequences, cu_seqlens_q[0] == 0, non-decreasing, at most total_q (values
+            are checked on CPU only: on CUDA a check would cost a host sync).
         cu_seqlens_k: (N + 1,) cumulative key lengths; required with cu_seqlens_q.
         max_seqlen_q: Python int bounding the longest packed query sequence, or None (unknown: the
             packed length bounds it); only with cu_seqlens. GPU kernels size their grid by it. It is
@@ -265,12 +309,15 @@ def flash_attention(
         check_qkv(q, k, v, enable_gqa=True)
         if q.dim() != 4:
             raise AttentionInputError(f"q: expected (B, Hq, L, E), got shape {tuple(q.shape)}.")
+        check_same_batch(q, k)
         for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
                 shown = _describe(value) if isinstance(value, torch.Tensor) else repr(value)
                 raise AttentionInputError(f"{name} ({shown}): only used with cu_seqlens_q (the varlen layout); pass "
                                           "both cu_seqlens_q and cu_seqlens_k, or drop it.")
     window = _check_options(causal_alignment, window, softcap, sinks, scale, q.shape[1], q.device)
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
     dropout_p = _check_dropout(dropout_p)
     q_ids = kv_ids = None
     if segment_ids is not None:
@@ -279,8 +326,10 @@ def flash_attention(
     if varlen and (max_seqlen_q is not None or max_seqlen_k is not None):
         max_seqlen = (_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0]),
                       _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0]))
+    if varlen:
+        _check_cu_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], (max_seqlen_q, max_seqlen_k), max_seqlen)
     choice = normalize_choice(implementation) if implementation is not None else None
-    check_finite({"q": q, "k": k, "v": v})
+    check_finite({"q": q, "k": k, "v": v, "sinks": sinks})
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=q.device)

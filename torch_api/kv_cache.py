@@ -38,10 +38,17 @@ class KVCache:
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor, *, block_table: Optional[torch.Tensor] = None):
         if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor) or key.dim() != 4 or value.dim() != 4:
-            raise AttentionInputError("key, value: expected 4-D tensors ((B, S_max, Hkv, D) or pages (P, PS, Hkv, D)).")
+            raise AttentionInputError(f"key, value: expected 4-D tensors ((B, S_max, Hkv, D) or pages (P, PS, Hkv, "
+                                      f"D)), got {_describe(key)} and {_describe(value)}.")
         if key.shape[:3] != value.shape[:3] or key.dtype != value.dtype or key.device != value.device:
-            raise AttentionInputError(f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} "
-                                      "must agree on all but the last dim, dtype and device.")
+            raise AttentionInputError(f"key {tuple(key.shape)} {key.dtype} on {key.device} and value "
+                                      f"{tuple(value.shape)} {value.dtype} on {value.device} must agree on all but the "
+                                      "last dim, dtype and device.")
+        if block_table is not None and (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2
+                                        or block_table.dtype not in (torch.int32, torch.int64)
+                                        or block_table.device != key.device):
+            raise AttentionInputError(f"block_table: expected a (B, max_pages) int32 tensor on {key.device} or None, "
+                                      f"got {_describe(block_table)}.")
         self.key, self.value, self.block_table = key, value, block_table
         self.device = key.device
         if block_table is None:
@@ -142,14 +149,16 @@ class KVCache:
         self._host_lengths = [n + t for n in self._host_lengths]
 
     def _allocate(self, t: int) -> None:
-        """Gives each sequence the pages it needs for t more positions, from the pool."""
+        """Gives each sequence the pages it needs for t more positions, from the pool (all or none)."""
+        missing = [max(0, -(-(length + t) // self.page_size) - len(pages))
+                   for length, pages in zip(self._host_lengths, self._pages)]
+        if sum(missing) > len(self._free):
+            raise AttentionInputError(f"append: the page pool ({self.key.shape[0]} pages) is exhausted: {t} new "
+                                      f"positions need {sum(missing)} more page(s), {len(self._free)} free; build the "
+                                      "cache with more num_pages or reset finished sequences.")
         updates = []
-        for seq, (length, pages) in enumerate(zip(self._host_lengths, self._pages)):
-            needed = -(-(length + t) // self.page_size)
-            while len(pages) < needed:
-                if not self._free:
-                    raise AttentionInputError(f"append: the page pool ({self.key.shape[0]} pages) is exhausted; "
-                                              "build the cache with more num_pages or reset finished sequences.")
+        for seq, (count, pages) in enumerate(zip(missing, self._pages)):
+            for _ in range(count):
                 pages.append(self._free.pop())
                 updates.append((seq, len(pages) - 1, pages[-1]))
         if updates:
@@ -163,6 +172,12 @@ class KVCache:
         return decode_attention(query, self.key, self.value, self.lengths, cache_starts=self.starts,
                                 block_table=self.block_table, window=window, softcap=softcap, sinks=sinks, scale=scale,
                                 return_lse=return_lse, kernel=kernel)
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}"
+    return f"a {type(t).__name__}"
 
 
 def _positive(**values: int) -> None:

@@ -43,7 +43,7 @@ from ..bridge.distributed import global_from_shards, torch_shards
 from ..jax_core.ring import ring_attention as _jax_ring
 from ..jax_core.ring import ring_attention_backward as _jax_ring_backward
 from ..jax_core.ring_layout import LAYOUTS
-from .flash import _check_options
+from .flash import _check_flag, _check_options, check_same_batch
 from .validation import AttentionInputError, check_finite, check_qkv
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -310,12 +310,15 @@ def ring_attention(
         if a.dim() != 4:
             raise AttentionInputError(f"q: expected (B, Hq, L, E) tensors, got shape {tuple(a.shape)}"
                                       f"{f' (shard {i})' if form == 'shards' else ''}.")
+        check_same_batch(a, b_)
         if (a.shape[:2], a.shape[3], b_.shape[:2]) != (qs[0].shape[:2], qs[0].shape[3], ks[0].shape[:2]) or \
                 a.shape[2] != qs[0].shape[2] or b_.shape[2] != ks[0].shape[2]:
             raise AttentionInputError(f"shard {i}: shapes q {tuple(a.shape)}, k {tuple(b_.shape)} differ from shard 0's "
                                       f"q {tuple(qs[0].shape)}, k {tuple(ks[0].shape)}; shards must be equal in size.")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal={is_causal!r}: expected a bool.")
+    _check_flag("inputs_in_layout", inputs_in_layout)
+    _check_flag("return_lse", return_lse)
     window = _check_options("top_left", window, softcap, None, scale, qs[0].shape[1], qs[0].device)
     if layout is not None and layout not in LAYOUTS:
         raise AttentionInputError(f"layout={layout!r}: expected one of {LAYOUTS} or None.")

@@ -145,11 +145,16 @@ def finite_check_applies(device: torch.device) -> bool:
     return mode == "always" or (mode == "cpu" and device.type == "cpu")
 
 
+#: Tensors in which only NaN is an error (+-inf are meaningful values).
+_NAN_ONLY = ("attn_mask", "sinks")
+
+
 def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
     """Raises on NaN/inf in query/key/value (and NaN in a float mask), as `set_finite_check` allows.
 
     One host read for all tensors: NaN propagates through amin/amax and +-inf shows in them (a
     mask's amax is clamped: only its NaN counts); only a failing call counts the bad positions.
+    Attention-sink logits ("sinks") are checked like a mask: -inf (no sink) is valid, NaN is not.
     """
     mode = _finite_check[0]
     if mode == "off" or torch.compiler.is_compiling():
@@ -159,7 +164,7 @@ def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
         if t is None or t.dtype == torch.bool or not t.numel() or (mode == "cpu" and t.device.type != "cpu"):
             continue
         checked.append((name, t))
-        if name == "attn_mask":  # -inf (and +inf) are valid additive mask values; NaN is not
+        if name in _NAN_ONLY:  # -inf (and +inf) are valid additive mask values; NaN is not
             extremes.append(t.amax().clamp(-1, 1))
         else:
             extremes.extend(torch.aminmax(t))
@@ -170,9 +175,9 @@ def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
     if bool(torch.isfinite(torch.stack(extremes)).all()):
         return
     for name, t in checked:
-        bad = torch.isnan(t) if name == "attn_mask" else ~torch.isfinite(t)
+        bad = torch.isnan(t) if name in _NAN_ONLY else ~torch.isfinite(t)
         if bool(bad.any()):
-            what = "NaN" if name == "attn_mask" else "NaN or inf"
+            what = "NaN" if name in _NAN_ONLY else "NaN or inf"
             raise AttentionInputError(
                 f"{name}: contains {what} values at {int(bad.sum())} position(s) "
                 "(check the producer of this tensor; jaxattn.torch_api.set_finite_check('off') disables this check)."
