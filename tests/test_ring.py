@@ -391,6 +391,29 @@ def test_torch_window_softcap_segments_and_errors():
         torch_ring(q, k, v, segment_ids=(ids[:, :10], ids), mesh=_mesh(2))
 
 
+def test_torch_ring_accumulation_input_bf16():
+    """The torch API passes accumulation="input" through: bf16 output and gradients within 2x torch's
+    own bf16 error against float64; a misspelt value raises."""
+    from jaxattn.torch_api import AttentionInputError
+    from jaxattn.torch_api import ring_attention as torch_ring
+
+    q, k, v, cot = (x.bfloat16() for x in _torch_case(17, length=64, e=32))
+    exact_out, _, exact_grads = _torch_oracle(q, k, v, cot.double(), causal=True)
+    tb = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    ref_bf16 = reference(*tb, causal=True, dtype=torch.bfloat16)[0]
+    (ref_bf16.double() * cot.double()).sum().backward()
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = torch_ring(*leaves, is_causal=True, mesh=_mesh(4), accumulation="input")
+    assert out.dtype == torch.bfloat16
+    (out.double() * cot.double()).sum().backward()
+    pairs = [(out, ref_bf16, exact_out)] + [(a.grad, b.grad, e) for a, b, e in zip(leaves, tb, exact_grads)]
+    for name, (mine, torch_bf16, exact) in zip(("out", "dq", "dk", "dv"), pairs):
+        ours, theirs = (mine.double() - exact).abs().max().item(), (torch_bf16.double() - exact).abs().max().item()
+        assert ours <= 2 * theirs + 1e-3, f"{name}: {ours:.3g} > 2 x torch bf16 {theirs:.3g}"
+    with pytest.raises(AttentionInputError, match="accumulation='half'"):
+        torch_ring(q, k, v, is_causal=True, mesh=_mesh(2), accumulation="half")
+
+
 def test_torchrun_settings():
     from jaxattn.bridge import torchrun_settings
 

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from ..bridge.devices import to_jax_device
 from ..bridge.dlpack import to_jax
 from ..bridge.distributed import global_from_shards, torch_shards
+from ..jax_core.ring import ACCUMULATIONS
 from ..jax_core.ring import ring_attention as _jax_ring
 from ..jax_core.ring import ring_attention_backward as _jax_ring_backward
 from ..jax_core.ring_layout import LAYOUTS
@@ -265,6 +266,7 @@ def ring_attention(
     layout: Optional[Literal["zigzag", "striped", "contiguous"]] = None,
     inputs_in_layout: bool = False,
     return_lse: bool = False,
+    accumulation: Literal["float32", "input"] = "float32",
 ):
     """Ring attention: the sequence is split over several devices; K/V blocks travel round the ring.
 
@@ -286,6 +288,10 @@ def ring_attention(
             contiguous.
         inputs_in_layout: the shards already are in `layout` order (and so is the output).
         return_lse: also return the (B, Hq, L) float32 log-sum-exp (in the same form).
+        accumulation: "float32" keeps partial outputs and gradient accumulators in float32;
+            "input" keeps them (and the dK / dV that travel round the ring) in q's dtype: about
+            half the accumulator memory and gradient traffic for 16-bit inputs, one rounding per
+            ring step.
 
     Returns:
         (B, Hq, L, Ev) output in q's form (a tensor, a list of shards, or this rank's shard); with
@@ -322,6 +328,8 @@ def ring_attention(
     window = _check_options("top_left", window, softcap, None, scale, qs[0].shape[1], qs[0].device)
     if layout is not None and layout not in LAYOUTS:
         raise AttentionInputError(f"layout={layout!r}: expected one of {LAYOUTS} or None.")
+    if accumulation not in ACCUMULATIONS:
+        raise AttentionInputError(f"accumulation={accumulation!r}: expected one of {ACCUMULATIONS}.")
     seg_lists = None
     if segment_ids is not None:
         if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
@@ -340,7 +348,7 @@ def ring_attention(
         check_finite({"q": qs[0], "k": ks[0], "v": vs[0]})
     options = (("causal", is_causal), ("sliding_window", window), ("logits_soft_cap", softcap),
                ("scale", None if scale is None else float(scale)), ("layout", layout),
-               ("inputs_in_layout", bool(inputs_in_layout)))
+               ("inputs_in_layout", bool(inputs_in_layout)), ("accumulation", accumulation))
     spec = repr((form, len(qs), seg_lists is not None, device_ids, axis, options))
     tensors = qs + ks + vs + (seg_lists[0] + seg_lists[1] if seg_lists is not None else [])
     result = torch.ops.jaxattn.ring_attention(tensors, spec)
