@@ -107,7 +107,7 @@ def _check_varlen_qkv(q, k, v) -> None:
     if q.shape[1] % k.shape[1]:
         raise AttentionInputError(f"q: {q.shape[1]} heads is not a multiple of k's {k.shape[1]} heads ({shapes}).")
     # dtypes, devices, empty tensors: the (H, total, E) views are checked like (H, L, E) tensors
-    check_qkv(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True)
+    check_qkv(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True, names=("q", "k", "v"), gqa_flag=False)
 
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q) -> None:
@@ -306,7 +306,7 @@ def flash_attention(
         if segment_ids is not None:
             raise AttentionInputError("segment_ids: not with cu_seqlens_q/cu_seqlens_k; pass one packing or the other.")
     else:
-        check_qkv(q, k, v, enable_gqa=True)
+        check_qkv(q, k, v, enable_gqa=True, names=("q", "k", "v"), gqa_flag=False)
         if q.dim() != 4:
             raise AttentionInputError(f"q: expected (B, Hq, L, E), got shape {tuple(q.shape)}.")
         check_same_batch(q, k)

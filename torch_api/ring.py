@@ -312,7 +312,7 @@ def ring_attention(
     if not (len(qs) == len(ks) == len(vs)):
         raise AttentionInputError(f"q, k and v: {len(qs)}, {len(ks)} and {len(vs)} shards; give one shard per device.")
     for i, (a, b_, c) in enumerate(zip(qs, ks, vs)):
-        check_qkv(a, b_, c, enable_gqa=True)
+        check_qkv(a, b_, c, enable_gqa=True, names=("q", "k", "v"), gqa_flag=False)
         if a.dim() != 4:
             raise AttentionInputError(f"q: expected (B, Hq, L, E) tensors, got shape {tuple(a.shape)}"
                                       f"{f' (shard {i})' if form == 'shards' else ''}.")

@@ -34,9 +34,17 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def check_qkv(query, key, value, enable_gqa: bool) -> None:
-    """Checks types, ranks, dtypes, devices and sizes of (N, ..., H, L, E) query/key/value."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
+def check_qkv(query, key, value, enable_gqa: bool, names: tuple[str, str, str] = ("query", "key", "value"),
+              gqa_flag: bool = True) -> None:
+    """Checks types, ranks, dtypes, devices and sizes of (N, ..., H, L, E) query/key/value.
+
+    Args:
+        names: the arguments' names in the caller's signature (flash and ring call them q, k, v).
+        gqa_flag: whether the caller has an `enable_gqa` argument to name in messages (APIs that
+            always allow grouped-query attention pass enable_gqa=True, gqa_flag=False).
+    """
+    qname, kname, vname = names
+    for name, t in ((qname, query), (kname, key), (vname, value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}.")
         if t.dim() < 2:
@@ -52,30 +60,30 @@ def check_qkv(query, key, value, enable_gqa: bool) -> None:
         raise TypeError(f"enable_gqa={enable_gqa!r}: expected a bool.")
     if not (query.dtype == key.dtype == value.dtype):
         raise AttentionInputError(
-            f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype} "
-            "(convert them with .to(query.dtype))."
+            f"{qname}, {kname} and {vname} must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype} "
+            f"(convert them with .to({qname}.dtype))."
         )
     if not (query.device == key.device == value.device):
         raise AttentionInputError(
-            f"query, key and value must be on one device; got {query.device}, {key.device}, {value.device} "
-            "(move them with .to(query.device))."
+            f"{qname}, {kname} and {vname} must be on one device; got {query.device}, {key.device}, {value.device} "
+            f"(move them with .to({qname}.device))."
         )
     if not (query.dim() == key.dim() == value.dim()):
         raise AttentionInputError(
-            f"query, key and value must have the same number of dims; got shapes {_shape(query)}, "
+            f"{qname}, {kname} and {vname} must have the same number of dims; got shapes {_shape(query)}, "
             f"{_shape(key)}, {_shape(value)}."
         )
     if key.shape[-1] != query.shape[-1]:
         raise AttentionInputError(
-            f"key: head dim {key.shape[-1]} != query head dim {query.shape[-1]} (shapes {_shape(key)} and {_shape(query)})."
+            f"{kname}: head dim {key.shape[-1]} != {qname} head dim {query.shape[-1]} (shapes {_shape(key)} and {_shape(query)})."
         )
     if key.shape[-2] != value.shape[-2]:
         raise AttentionInputError(
-            f"key and value: sequence lengths differ, {key.shape[-2]} and {value.shape[-2]} "
+            f"{kname} and {vname}: sequence lengths differ, {key.shape[-2]} and {value.shape[-2]} "
             f"(shapes {_shape(key)} and {_shape(value)})."
         )
     if key.shape[:-2] != value.shape[:-2]:
-        raise AttentionInputError(f"key {_shape(key)} and value {_shape(value)}: leading dims differ.")
+        raise AttentionInputError(f"{kname} {_shape(key)} and {vname} {_shape(value)}: leading dims differ.")
     for i in range(query.dim() - 2):
         qn, kn = query.shape[i], key.shape[i]
         is_head = i == query.dim() - 3
@@ -84,17 +92,18 @@ def check_qkv(query, key, value, enable_gqa: bool) -> None:
         if is_head and enable_gqa:
             if qn % kn:
                 raise AttentionInputError(
-                    f"enable_gqa=True: query heads {qn} must be a multiple of key/value heads {kn} "
+                    f"{'enable_gqa=True: ' if gqa_flag else ''}{qname} heads {qn} must be a multiple of "
+                    f"{kname}/{vname} heads {kn} "
                     f"(shapes {_shape(query)} and {_shape(key)})."
                 )
             continue
         if is_head:
             raise AttentionInputError(
-                f"key: {kn} heads but query has {qn} (shapes {_shape(key)} and {_shape(query)}); "
+                f"{kname}: {kn} heads but {qname} has {qn} (shapes {_shape(key)} and {_shape(query)}); "
                 "for grouped-query attention pass enable_gqa=True."
             )
         raise AttentionInputError(
-            f"key: dim {i} is {kn} but query's is {qn} (shapes {_shape(key)} and {_shape(query)}); "
+            f"{kname}: dim {i} is {kn} but {qname}'s is {qn} (shapes {_shape(key)} and {_shape(query)}); "
             "leading dims must match or be 1."
         )
 
