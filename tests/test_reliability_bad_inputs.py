@@ -293,6 +293,8 @@ CASES = [
          r"got shape \(2, 3\), dtype torch.float32"),
     Case("decode-window-negative", lambda: decode(window=-3), AIE, r"^window=-3: expected None or an int >= 0"),
     Case("decode-return-lse-str", lambda: decode(return_lse="no"), TE, r"^return_lse='no': expected a bool"),
+    Case("decode-softcap-inf", lambda: decode(softcap=INF), AIE, r"^softcap=inf: expected None or a positive finite float"),
+    Case("decode-scale-str", lambda: decode(scale="0.3"), TE, r"^scale='0\.3': expected None or a finite float, got str"),
     Case("decode-nan-in-q", lambda: decode(q=with_value(DQ, (1, 3, 0, 11), NAN)), AIE,
          r"^q: contains NaN or inf values at 1 position\(s\)"),
     Case("decode-sinks-nan", lambda: decode(sinks=torch.tensor([0.0, 1.0, NAN, 2.0])), AIE,

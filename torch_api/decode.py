@@ -213,9 +213,12 @@ def decode_attention(
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise AttentionInputError(f"window={window!r}: expected None or an int >= 0 (positions visible before each "
                                   "query's own).")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
-        raise AttentionInputError(f"softcap={softcap!r}: expected None or a positive float.")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+    for name, value in (("softcap", softcap), ("scale", scale)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"{name}={value!r}: expected None or a finite float, got {type(value).__name__}.")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise AttentionInputError(f"softcap={softcap!r}: expected None or a positive finite float.")
+    if scale is not None and not math.isfinite(scale):
         raise AttentionInputError(f"scale={scale!r}: expected None or a finite float.")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or sinks.dim() not in (1, 2) or sinks.shape[0] != hq:
