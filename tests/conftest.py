@@ -15,3 +15,19 @@ if not _HAS_GPU:
     # Without a GPU every @triton.jit kernel is decorated for the interpreter, whichever test
     # imports it first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Hypothesis profiles (tests/test_reliability_randomized.py): "ci" (the default: few examples per test)
+# and "thorough" (>= 1000 per test). Pick one with `--hypothesis-profile=thorough` or
+# JAXATTN_HYPOTHESIS_PROFILE=thorough. Failing examples are kept under .pytest_cache/ (git-ignored).
+import pathlib  # noqa: E402
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, print_blob=True, derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=DirectoryBasedExampleDatabase(pathlib.Path(__file__).parent.parent / ".pytest_cache" / "hypothesis"),
+)
+settings.register_profile("thorough", settings.get_profile("ci"), max_examples=1000)
+settings.load_profile(os.environ.get("JAXATTN_HYPOTHESIS_PROFILE", "ci"))
