@@ -38,8 +38,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jaxattn.torch_api import decode_attention, sdpa_implementation
 from jaxattn.torch_api import scaled_dot_product_attention as jax_sdpa
@@ -74,21 +72,8 @@ def _say(test, **figures):
 # ------------------------------------------------------------------ references
 
 
-def _math(*args, **kwargs):
-    with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(*args, **kwargs)
-
-
-def _naive(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
-    """Attention from plain torch ops in the inputs' dtype (flash-attn's low-precision reference)."""
-    if enable_gqa:
-        k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (k, v))
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if is_causal:  # top-left, as torch
-        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+# _math: torch SDPA on its math backend; _naive: attention from plain torch ops in the inputs' dtype.
+from test_gpu import _math, _naive  # noqa: E402
 
 
 def _refs_and_tols(inputs, dout=None, **kw):
