@@ -96,6 +96,15 @@ class ScaledDotProductAttn(AttentionImpl):
                        logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
                        segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
         _no_packing(segment_ids, cu_seqlens)
+        b, hq, s = query.shape[0], query.shape[2 if layout == "BTHD" else 1], key.shape[1 if layout == "BTHD" else 2]
+        if query.dtype == jnp.bfloat16 and b * hq * query.shape[1 if layout == "BTHD" else 2] * s == 1:
+            # A single logit makes XLA:CPU emit the bf16 dot elementally, which it cannot do for
+            # jax.nn's bf16 x bf16 -> f32 algorithm: compute in float32 (the inputs are exact there).
+            out = self.forward_native(*(x.astype(jnp.float32) for x in (query, key, value)), bias=bias, mask=mask,
+                                      causal=causal, causal_alignment=causal_alignment, sliding_window=sliding_window,
+                                      logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, dropout_rng=dropout_rng,
+                                      return_weights=return_weights, layout=layout)
+            return out.replace(attention_outputs=out.attention_outputs.astype(jnp.bfloat16))
         if layout == "BHTD":
             return _swap_out(self._attend(*map(_swap, (query, key, value)), bias, mask, causal, sliding_window, "xla"))
         return self._attend(query, key, value, bias, mask, causal, sliding_window, "xla")

@@ -280,6 +280,23 @@ def test_low_precision_forward(dtype, impl):
     assert_lowp_parity(ours(q, k, v, impl=impl, attn_mask=mask), q, k, v, attn_mask=mask)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_single_logit(impl):
+    """One batch, head, query and key: XLA:CPU emits that bf16 dot elementally and cannot run
+    jax.nn's bf16 x bf16 -> f32 algorithm there (found by the randomized suite); it must still work,
+    with and without a mask, forward and backward."""
+    g = gen(17)
+    q, k, v = (randn(g, 1, 1, 1, 8, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    assert_lowp_parity(ours(q, k, v, impl=impl), q, k, v)
+    assert_lowp_parity(ours(q, k, v, impl=impl, attn_mask=mask), q, k, v, attn_mask=mask)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    ours(*leaves, impl=impl).float().sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
+    # one key: out == v exactly, so dv == the output gradient (ones), dq == dk == 0
+    torch.testing.assert_close(leaves[2].grad.float(), torch.ones(1, 1, 1, 8))
+
+
 # --- gradients, float32 ---------------------------------------------------------------------------
 
 
