@@ -303,7 +303,7 @@ def test_varlen_layout_errors():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(cu_seqlens_k=_CU), r"cu_seqlens_k \(shape \(3,\), dtype torch.int32\): only used with cu_seqlens_q"),
+    (dict(cu_seqlens_k=_CU), r"cu_seqlens_k \(shape \(3,\), dtype torch.int32, device cpu\): only used with cu_seqlens_q"),
     (dict(max_seqlen_q=8), r"max_seqlen_q \(8\): only used with cu_seqlens_q"),
     (dict(dropout_p=1.0), r"dropout_p=1.0: expected a float in \[0, 1\)"),
     (dict(dropout_p=-0.1), r"dropout_p=-0.1"),
@@ -326,8 +326,8 @@ def test_padded_layout_argument_errors(kwargs, match):
     (12, torch.zeros(2, 8, dtype=torch.int32), r"segment_ids: one tensor \(shape \(2, 8\).* needs L == S, but L=8 and S=12"),
     (8, torch.zeros(2, 9, dtype=torch.int32), r"segment_ids: segment_ids has shape \(2, 9\).*of shape \(B, L\) = \(2, 8\)"),
     (8, torch.zeros(8, dtype=torch.int32), r"segment_ids: segment_ids has shape \(8,\)"),
-    (8, torch.zeros(2, 8), r"segment_ids: segment_ids has shape \(2, 8\), dtype torch.float32; expected an integer"),
-    (8, torch.zeros(2, 8, dtype=torch.bool), r"segment_ids: .*dtype torch.bool; expected an integer"),
+    (8, torch.zeros(2, 8), r"segment_ids: segment_ids has shape \(2, 8\), dtype torch.float32, device cpu; expected an integer"),
+    (8, torch.zeros(2, 8, dtype=torch.bool), r"segment_ids: .*dtype torch.bool, device cpu; expected an integer"),
 ])
 def test_single_segment_ids_tensor_errors(s, ids, match):
     q, k = torch.randn(2, 2, 8, 16), torch.randn(2, 2, s, 16)

@@ -32,7 +32,7 @@ from ..bridge import jax_op
 from ..jax_core import AttentionMetadata
 from ..jax_core import decode_attention as _jax_decode_attention
 from ..jax_core.base import DECODE_MAX_QUERY_LEN
-from .validation import AttentionInputError, check_finite
+from .validation import AttentionInputError, check_finite, describe
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -62,10 +62,6 @@ def _decode_lse_jax(q, k_cache, v_cache, lengths, starts, block_table, sinks, *,
                         scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=True)
 
 
-def _describe(t) -> str:
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
-
-
 def _check_tensors(q, k_cache, v_cache, cache_layout: str, paged: bool) -> tuple[int, int, int, int]:
     """(B, Hq, T, Hkv) after checking types, ranks, dtypes, devices and sizes."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -75,7 +71,7 @@ def _check_tensors(q, k_cache, v_cache, cache_layout: str, paged: bool) -> tuple
             raise AttentionInputError(f"{name}: dtype {t.dtype} is not a float dtype (float16, bfloat16, float32, float64).")
         if t.dim() != 4 or t.numel() == 0:
             want = "(B, Hq, T, D)" if name == "q" else _cache_shape(name, cache_layout, paged)
-            raise AttentionInputError(f"{name}: expected a non-empty 4-D tensor {want}, got {_describe(t)}.")
+            raise AttentionInputError(f"{name}: expected a non-empty 4-D tensor {want}, got {describe(t)}.")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise AttentionInputError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
                                   f"{v_cache.dtype} (cast q with q.to(k_cache.dtype)).")
@@ -113,7 +109,7 @@ def _cache_shape(name: str, cache_layout: str, paged: bool) -> str:
 
 def _index_tensor(name: str, t, shape: tuple, what: str, device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES or tuple(t.shape) != shape:
-        raise AttentionInputError(f"{name}: expected an int32 tensor of shape {what} = {shape}, got {_describe(t)}.")
+        raise AttentionInputError(f"{name}: expected an int32 tensor of shape {what} = {shape}, got {describe(t)}.")
     if t.device != device:
         raise AttentionInputError(f"{name}: on {t.device} but q is on {device} (move it with .to(q.device)).")
     return t if t.dtype == torch.int32 else t.to(torch.int32)
@@ -205,7 +201,7 @@ def decode_attention(
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
             raise AttentionInputError(f"block_table: expected an int32 tensor of shape (B, max_pages) with B={b}, "
-                                      f"got {_describe(block_table)}.")
+                                      f"got {describe(block_table)}.")
         block_table = _index_tensor("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
@@ -222,9 +218,9 @@ def decode_attention(
         raise AttentionInputError(f"scale={scale!r}: expected None or a finite float.")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or sinks.dim() not in (1, 2) or sinks.shape[0] != hq:
-            raise AttentionInputError(f"sinks: expected a (Hq,) or (Hq, n) float tensor with Hq={hq}, got {_describe(sinks)}.")
+            raise AttentionInputError(f"sinks: expected a (Hq,) or (Hq, n) float tensor with Hq={hq}, got {describe(sinks)}.")
         if not sinks.dtype.is_floating_point or sinks.device != q.device:
-            raise AttentionInputError(f"sinks: expected a float tensor on {q.device}, got {_describe(sinks)}.")
+            raise AttentionInputError(f"sinks: expected a float tensor on {q.device}, got {describe(sinks)}.")
     if kernel not in (None, "triton", "pallas", "xla"):
         raise AttentionInputError(f"kernel={kernel!r}: expected None, 'triton', 'pallas' or 'xla'.")
     if not isinstance(return_lse, bool):

@@ -36,7 +36,7 @@ import torch
 from ..bridge import jax_op
 from ..jax_core import AttentionMetadata, attention
 from .selection import normalize_choice
-from .validation import AttentionInputError, check_finite, check_qkv
+from .validation import AttentionInputError, check_finite, check_qkv, describe
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -85,10 +85,6 @@ def _flash_lse_jax(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_s
                        platform=platform)
 
 
-def _describe(t) -> str:
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
-
-
 def _check_varlen_qkv(q, k, v) -> None:
     """Packed q (total_q, Hq, E), k (total_k, Hk, E), v (total_k, Hk, Ev)."""
     for name, t, want in (("q", q, "(total_q, Hq, E)"), ("k", k, "(total_k, Hk, E)"), ("v", v, "(total_k, Hk, Ev)")):
@@ -117,7 +113,7 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q) -> None:
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or t.numel() < 2:
             raise AttentionInputError(
-                f"{name}: expected a 1-D int32 tensor of N + 1 >= 2 cumulative lengths, got {_describe(t)} "
+                f"{name}: expected a 1-D int32 tensor of N + 1 >= 2 cumulative lengths, got {describe(t)} "
                 "(e.g. torch.tensor([0, 5, 12], dtype=torch.int32, device=q.device))."
             )
         if t.device != q.device:
@@ -171,14 +167,14 @@ def _segment_pair(segment_ids, q, b: int, l: int, s: int):
     else:
         if l != s:
             raise AttentionInputError(
-                f"segment_ids: one tensor ({_describe(segment_ids)}) serves queries and keys, so it needs L == S, "
+                f"segment_ids: one tensor ({describe(segment_ids)}) serves queries and keys, so it needs L == S, "
                 f"but L={l} and S={s}; pass a pair (q_ids (B, L)=({b}, {l}), kv_ids (B, S)=({b}, {s}))."
             )
         pairs = (("segment_ids", segment_ids, (b, l)),)
     for name, t, want in pairs:
         if not isinstance(t, torch.Tensor) or t.dtype not in _INT_DTYPES or tuple(t.shape) != want:
             raise AttentionInputError(
-                f"segment_ids: {name} has {_describe(t)}; expected an integer tensor of shape (B, "
+                f"segment_ids: {name} has {describe(t)}; expected an integer tensor of shape (B, "
                 f"{'S' if name == 'kv_ids' else 'L'}) = {want}."
             )
         if t.device != q.device:
@@ -312,7 +308,7 @@ def flash_attention(
         check_same_batch(q, k)
         for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
-                shown = _describe(value) if isinstance(value, torch.Tensor) else repr(value)
+                shown = describe(value) if isinstance(value, torch.Tensor) else repr(value)
                 raise AttentionInputError(f"{name} ({shown}): only used with cu_seqlens_q (the varlen layout); pass "
                                           "both cu_seqlens_q and cu_seqlens_k, or drop it.")
     window = _check_options(causal_alignment, window, softcap, sinks, scale, q.shape[1], q.device)

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .decode import decode_attention
-from .validation import AttentionInputError
+from .validation import AttentionInputError, describe
 
 
 class KVCache:
@@ -39,7 +39,7 @@ class KVCache:
     def __init__(self, key: torch.Tensor, value: torch.Tensor, *, block_table: Optional[torch.Tensor] = None):
         if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor) or key.dim() != 4 or value.dim() != 4:
             raise AttentionInputError(f"key, value: expected 4-D tensors ((B, S_max, Hkv, D) or pages (P, PS, Hkv, "
-                                      f"D)), got {_describe(key)} and {_describe(value)}.")
+                                      f"D)), got {describe(key)} and {describe(value)}.")
         if key.shape[:3] != value.shape[:3] or key.dtype != value.dtype or key.device != value.device:
             raise AttentionInputError(f"key {tuple(key.shape)} {key.dtype} on {key.device} and value "
                                       f"{tuple(value.shape)} {value.dtype} on {value.device} must agree on all but the "
@@ -48,7 +48,7 @@ class KVCache:
                                         or block_table.dtype not in (torch.int32, torch.int64)
                                         or block_table.device != key.device):
             raise AttentionInputError(f"block_table: expected a (B, max_pages) int32 tensor on {key.device} or None, "
-                                      f"got {_describe(block_table)}.")
+                                      f"got {describe(block_table)}.")
         self.key, self.value, self.block_table = key, value, block_table
         self.device = key.device
         if block_table is None:
@@ -172,12 +172,6 @@ class KVCache:
         return decode_attention(query, self.key, self.value, self.lengths, cache_starts=self.starts,
                                 block_table=self.block_table, window=window, softcap=softcap, sinks=sinks, scale=scale,
                                 return_lse=return_lse, kernel=kernel)
-
-
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}"
-    return f"a {type(t).__name__}"
 
 
 def _positive(**values: int) -> None:

@@ -30,6 +30,13 @@ def set_finite_check(mode: str) -> None:
     _finite_check[0] = mode
 
 
+def describe(t) -> str:
+    """A tensor's shape, dtype and device (or the type of a non-tensor), for error messages."""
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+    return f"a {type(t).__name__}"
+
+
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
