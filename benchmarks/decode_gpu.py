@@ -21,7 +21,8 @@ Setting (the issue's): bf16, Hq=32, Hkv=8, D=128, one query per sequence.
   * paged (page size 16, pages in random order) against the contiguous cache.
 Steady-state timing: back-to-back calls between CUDA events (torch) or to block_until_ready (JAX),
 median of 5 repeats after warm-up (see foundation_gpu.py `time_torch` / `time_jax`).
-`--sweep` also times tiles (BLOCK_N, warps, stages) and split counts of the kernel itself.
+`--sweep` also times tiles (BLOCK_N, warps, stages) and split counts of the kernel itself;
+`--ragged-sweep` only does that for ragged caches, next to torch SDPA and the read-only bandwidth.
 """
 
 from __future__ import annotations
@@ -232,6 +233,48 @@ def balance(copy_gbps):
     return rows
 
 
+def ragged_sweep(copy_gbps):
+    """Ragged caches (and the full B=8 one for reference): cache layouts x tiles x split counts
+    (fixed-size shares), with torch SDPA over the padded (B, Hkv, S, D) cache timed in the same
+    process, and the device's read-only bandwidth (a bf16 sum of 1 GiB)."""
+    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
+    read_us = time_torch(lambda: src.sum(dtype=torch.float32), iters=20)
+    out = {"read_only_gbps": src.numel() * 2 / read_us / 1e3, "rows": []}
+    del src
+    tiles = [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4)]
+    for b, s, ragged in [(8, 32768, True), (32, 8192, True), (8, 32768, False)]:
+        gen = torch.Generator(device="cuda").manual_seed(b * s)
+        lengths = cache_lengths(b, s, ragged, gen)
+        q, k_bhsd, v_bhsd, mask = make_inputs(b, s, lengths, gen)
+        torch_us = torch_sdpa_times(q, k_bhsd, v_bhsd, mask, 30)["torch_sdpa_us"]
+        nbytes = kv_bytes(lengths)
+        for layout in ("BHSD", "BSHD"):
+            if layout == "BSHD":
+                k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+                del k_bhsd, v_bhsd
+            else:
+                k, v = k_bhsd, v_bhsd
+            qj, kj, vj, nj = to_jax([q, k, v, lengths])
+            for tile in tiles:
+                for splits in (None, 16, 32):
+                    cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", cache_layout=layout, tiles=tile,
+                                       num_splits=splits)
+                    fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
+                    row = {"B": b, "S": s, "ragged": ragged, "layout": layout, "tile": tile, "splits": splits,
+                           "torch_sdpa_us": torch_us}
+                    try:
+                        row["us"] = time_jax(lambda: fn(qj, kj, vj, nj), iters=30)
+                    except Exception as exc:  # a tile Triton cannot compile: record and go on
+                        row["error"] = str(exc)[:160]
+                    else:
+                        row["frac_of_copy"] = nbytes / row["us"] / 1e3 / copy_gbps
+                        row["speedup"] = torch_us / row["us"]
+                    out["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+            del qj, kj, vj, k, v
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -239,8 +282,13 @@ def main():
     parser.add_argument("--only-sweep", action="store_true", help="only the sweep")
     parser.add_argument("--balance", action="store_true",
                         help="only compare split rules (fixed-size vs per-sequence shares) and counts")
+    parser.add_argument("--ragged-sweep", action="store_true",
+                        help="only tiles x split counts on ragged caches, with torch SDPA alongside")
     args = parser.parse_args()
     copy = copy_bandwidth()
+    if args.ragged_sweep:
+        print(json.dumps({"copy": copy, "ragged_sweep": ragged_sweep(copy["copy_gbps"])}, indent=1))
+        return
     if args.balance:
         print(json.dumps({"copy": copy, "balance": balance(copy["copy_gbps"])}, indent=1))
         return

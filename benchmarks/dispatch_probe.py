@@ -9,8 +9,9 @@ For the drop-in's compiled forward (bf16, causal on CUDA; float32 on CPU) of eac
   * the executable's kernels: the ENTRY instructions of its optimised HLO by opcode;
   * a trivial executable (x + 1) on an array of the same shape: JAX's floor per dispatch;
   * the import of one tensor with and without a stream (the latter only timed, never used);
-  * forward+backward: the whole `autograd.grad` call, the vjp forward's and the backward
-    executable's dispatch and time to ready, and the backward executable's kernels.
+  * forward+backward: the whole `autograd.grad` call (also with torch's autograd worker threads
+    off), host µs per bridge piece inside it, the vjp forward's and the backward executable's
+    dispatch and time to ready, and the backward executable's kernels.
 Variants: XLA's defaults, and command buffers (CUDA graphs) off. The parent prints one JSON.
 """
 
@@ -147,6 +148,13 @@ def _training_breakdown(impl, q, k, v, jdev, jstream, sync) -> dict:
             return torch.autograd.grad(scaled_dot_product_attention(*leaves, is_causal=True), leaves, dout)
 
     out: dict = {"fwdbwd_call_us": _host_us(step, n=100, sync=sync)}
+    # torch runs CUDA backwards on a per-device worker thread; in the calling thread instead:
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        out["fwdbwd_call_single_thread_us"] = _host_us(step, n=100, sync=sync)
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    out["fwdbwd_pieces_us"] = _pieces(step, sync)
     plan = next(p for s, p in sdpa_module._plans.items()
                 if p.static.get("implementation") in (impl, (impl,)) and s[-1] is True)
     cp = plan.call
@@ -169,6 +177,75 @@ def _training_breakdown(impl, q, k, v, jdev, jstream, sync) -> dict:
     out["forward_vjp_entry_ops"] = _entry_ops(trace.call.as_text())
     jax.block_until_ready(results)
     return out
+
+
+def _pieces(step, sync, n=300) -> dict:
+    """Host µs per forward+backward spent in each bridge piece (wrapped timers, any thread)."""
+    import threading
+
+    from jaxattn.bridge import call_plan
+
+    totals: dict = collections.defaultdict(float)
+    lock = threading.Lock()
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                with lock:
+                    totals[name] += time.perf_counter() - t0
+        return wrapper
+
+    def timed_backward_call(*a, **kw):
+        return timed("backward executable", call_plan_backward_call(*a, **kw))
+
+    saved = {name: getattr(call_plan, name) for name in ("cuda_handshake", "import_tensors", "export_arrays")}
+    call_plan_backward_call = call_plan.backward_call
+    fwd, bwd = call_plan._EagerCall.forward, call_plan._EagerCall.backward
+    trace_fn = call_plan.CallPlan.trace
+    try:
+        for name, fn in saved.items():
+            setattr(call_plan, name, timed(name, fn))
+        call_plan.backward_call = timed("backward_call lookup", timed_backward_call)
+        call_plan._EagerCall.forward = staticmethod(timed("_EagerCall.forward", fwd))
+        call_plan._EagerCall.backward = staticmethod(timed("_EagerCall.backward", bwd))
+        original_trace = trace_fn
+
+        def trace_timed(self):
+            tr = original_trace(self)
+            return _TimedTrace(tr, timed)
+        call_plan.CallPlan.trace = trace_timed
+        for _ in range(20):
+            step()
+        if sync:
+            sync()
+        totals.clear()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        if sync:
+            sync()
+        totals["whole step"] = time.perf_counter() - t0
+    finally:
+        for name, fn in saved.items():
+            setattr(call_plan, name, fn)
+        call_plan.backward_call = call_plan_backward_call
+        call_plan._EagerCall.forward, call_plan._EagerCall.backward = staticmethod(fwd), staticmethod(bwd)
+        call_plan.CallPlan.trace = trace_fn
+    return {k: round(v / n * 1e6, 1) for k, v in totals.items()}
+
+
+class _TimedTrace:
+    """A forward trace whose executable call is timed (other attributes pass through)."""
+
+    def __init__(self, trace, timed):
+        self._trace = trace
+        self.call = timed("forward executable", trace.call)
+
+    def __getattr__(self, name):
+        return getattr(self._trace, name)
 
 
 def main() -> None:
