@@ -275,6 +275,43 @@ def ragged_sweep(copy_gbps):
     return out
 
 
+def kernel_times():
+    """Per call: wall time (back-to-back, JAX level) and each GPU kernel's time from torch's profiler
+    (it records JAX's kernels too), for our default decode and torch SDPA over the padded cache."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def per_kernel(fn, n=30):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+        out: dict = {}
+        for e in prof.events():
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+                out[e.name[:60]] = out.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / n
+        return {k: round(v, 1) for k, v in out.items()}
+
+    rows = []
+    for b, s, ragged in [(8, 32768, True), (32, 8192, True), (8, 32768, False)]:
+        gen = torch.Generator(device="cuda").manual_seed(b * s)
+        lengths = cache_lengths(b, s, ragged, gen)
+        q, k_bhsd, v_bhsd, mask = make_inputs(b, s, lengths, gen)
+        k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+        ours = jax_caller(q, k, v, lengths)
+        row = {"B": b, "S": s, "ragged": ragged, "jax_us": time_jax(ours, iters=30),
+               "ours_kernels_us": per_kernel(lambda: jax.block_until_ready(ours()))}
+        with torch.no_grad():
+            call = lambda: F.scaled_dot_product_attention(q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True)  # noqa: E731
+            row["torch_us"] = time_torch(call, iters=30)
+            row["torch_kernels_us"] = per_kernel(call)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, k_bhsd, v_bhsd
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -284,7 +321,12 @@ def main():
                         help="only compare split rules (fixed-size vs per-sequence shares) and counts")
     parser.add_argument("--ragged-sweep", action="store_true",
                         help="only tiles x split counts on ragged caches, with torch SDPA alongside")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="only per-kernel GPU times of one call (ours and torch SDPA) from torch's profiler")
     args = parser.parse_args()
+    if args.kernel_times:
+        print(json.dumps({"kernel_times": kernel_times()}, indent=1))
+        return
     copy = copy_bandwidth()
     if args.ragged_sweep:
         print(json.dumps({"copy": copy, "ragged_sweep": ragged_sweep(copy["copy_gbps"])}, indent=1))
