@@ -312,42 +312,6 @@ def kernel_times():
     return rows
 
 
-def hints():
-    """The split kernel's GPU time (torch's profiler) by K/V load variant (`DecodeConfig.stream_hint`)
-    and tile, ragged and full caches, (B, S, Hkv, D) layout, automatic splits."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def split_us(fn, n=30):
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-        return sum(e.time_range.elapsed_us() for e in prof.events()
-                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and "split" in e.name) / n
-
-    rows = []
-    for b, s, ragged in [(8, 32768, True), (32, 8192, True), (8, 32768, False)]:
-        lengths, (qj, kj, vj, nj) = bshd_case(b, s, ragged)
-        nbytes = kv_bytes(lengths)
-        for tile in [(64, 4, 3), (128, 4, 3), (64, 4, 4)]:
-            for hint in range(5):
-                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", tiles=tile, stream_hint=hint)
-                fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
-                row = {"B": b, "S": s, "ragged": ragged, "tile": tile, "hint": hint}
-                try:
-                    row["split_kernel_us"] = split_us(lambda: jax.block_until_ready(fn(qj, kj, vj, nj)))
-                    row["wall_us"] = time_jax(lambda: fn(qj, kj, vj, nj), iters=30)
-                    row["tbps"] = nbytes / row["split_kernel_us"] / 1e6
-                except Exception as exc:  # a variant Triton cannot compile: record and go on
-                    row["error"] = str(exc)[:200]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        del qj, kj, vj
-    return rows
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -359,11 +323,7 @@ def main():
                         help="only tiles x split counts on ragged caches, with torch SDPA alongside")
     parser.add_argument("--kernel-times", action="store_true",
                         help="only per-kernel GPU times of one call (ours and torch SDPA) from torch's profiler")
-    parser.add_argument("--hints", action="store_true", help="only the split kernel's time by K/V load variant")
     args = parser.parse_args()
-    if args.hints:
-        print(json.dumps({"hints": hints()}, indent=1))
-        return
     if args.kernel_times:
         print(json.dumps({"kernel_times": kernel_times()}, indent=1))
         return

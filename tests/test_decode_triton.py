@@ -90,18 +90,6 @@ def test_split_and_merge_kernels(layout, groups, t, splits, window, softcap, sin
     _check(out, lse, q, k, v, window=window, softcap=softcap, sinks=sink_logits if sinks else None)
 
 
-@pytest.mark.parametrize("hint", [0, 1, 2, 3, 4])
-@pytest.mark.parametrize("layout", ["BHSD", "paged"])
-def test_stream_hints(layout, hint):
-    """Every K/V load variant (cache hints, K loaded row-major and transposed) gives the same result."""
-    _, q, k, v, kc, vc, table, sink_logits = _case(31 + hint, 4, 2, layout)
-    cfg = DecodeConfig(scale=D ** -0.5, window=(11, -1), softcap=2.5, cache_layout=layout, num_splits=3,
-                       tiles=(16, 4, 2), stream_hint=hint)
-    out, lse = decode_attention_triton(_j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS),
-                                       None if table is None else _j(table), _j(sink_logits), cfg)
-    _check(out, lse, q, k, v, window=11, softcap=2.5, sinks=sink_logits)
-
-
 @pytest.mark.parametrize("layout,splits,window", [("BSHD", 3, None), ("paged", 4, 12)])
 def test_per_sequence_shares(layout, splits, window):
     """The other split rule (each sequence cut into `splits` equal shares) stays correct."""

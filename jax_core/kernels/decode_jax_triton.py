@@ -45,9 +45,6 @@ class DecodeConfig:
         fixed_shares: every sequence's keys are cut into shares of the size a full-length sequence
             gets (`share_blocks`), so a short sequence keeps fewer programs busy instead of giving
             each less work; False: each sequence splits its own keys into NUM_SPLITS equal shares.
-        stream_hint: cache hints on the K/V loads (each byte is read once): 0 none, 1 L2
-            evict-first, 2 evict-first and bypassing L1 (`.cg`); 3 K loaded row-major and
-            transposed in registers, 4 the same with evict-first.
     """
 
     scale: float
@@ -62,7 +59,6 @@ class DecodeConfig:
     tiles: Optional[tuple[int, int, int]] = None
     num_sms: Optional[int] = None
     fixed_shares: bool = True
-    stream_hint: int = 0
 
 
 def _next_pow2(n: int) -> int:
@@ -166,7 +162,7 @@ def _split_entry(
     CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SHARE_BLOCKS: tl.constexpr, STREAM_HINT: tl.constexpr,
+    SHARE_BLOCKS: tl.constexpr,
 ):
     decode_split_kernel(
         Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
@@ -174,7 +170,7 @@ def _split_entry(
         sob, sot, soh, sosplit, sod, slb, slt, slh, slsplit,
         scale, softcap, window_left, window_right, pos_shift, T, G, Hkv, D, Dv, capacity,
         CAUSAL, HAS_STARTS, PAGED, PAGE_SIZE, HAS_SINKS, SOFTCAP, FAST_TANH, NUM_SPLITS,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SHARE_BLOCKS, STREAM_HINT,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SHARE_BLOCKS,
     )
 
 
@@ -276,7 +272,6 @@ def decode_attention_triton(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         SHARE_BLOCKS=share_blocks(capacity, t, window, bool(cfg.causal), block_n, num_splits)
         if cfg.fixed_shares and not final else 0,
-        STREAM_HINT=int(cfg.stream_hint),
     )
     if final:
         return out, lse

@@ -60,7 +60,7 @@ def decode_split_kernel(
     CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SHARE_BLOCKS: tl.constexpr = 0, STREAM_HINT: tl.constexpr = 0,
+    SHARE_BLOCKS: tl.constexpr = 0,
 ):
     """One share of one sequence's keys for BLOCK_M query rows of one KV head (module docstring).
 
@@ -148,21 +148,8 @@ def decode_split_kernel(
             k_rows = b64 * stride_kb + cols.to(tl.int64) * stride_ks
             v_rows = b64 * stride_vb + cols.to(tl.int64) * stride_vs
         # K is read transposed: a (BLOCK_D, BLOCK_N) tile.
-        kt_ptrs = k_head + k_rows[None, :] + offs_d[:, None] * stride_kd
-        kt_mask = d_mask[:, None] & col_ok[None, :]
-        if STREAM_HINT >= 3:  # K loaded as (BLOCK_N, BLOCK_D) and transposed in registers
-            k_ptrs = k_head + k_rows[:, None] + offs_d[None, :] * stride_kd
-            k_mask = col_ok[:, None] & d_mask[None, :]
-            if STREAM_HINT == 4:
-                kt = tl.trans(tl.load(k_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first"))
-            else:
-                kt = tl.trans(tl.load(k_ptrs, mask=k_mask, other=0.0))
-        elif STREAM_HINT == 1:  # K/V are read once: let L2 evict them first
-            kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0, eviction_policy="evict_first")
-        elif STREAM_HINT == 2:  # and bypass L1
-            kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0, cache_modifier=".cg", eviction_policy="evict_first")
-        else:
-            kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0)
+        kt = tl.load(k_head + k_rows[None, :] + offs_d[:, None] * stride_kd,
+                     mask=d_mask[:, None] & col_ok[None, :], other=0.0)
         if q.dtype == tl.float32:
             qk = tl.dot(q, kt, input_precision="tf32x3")
         else:
@@ -180,14 +167,8 @@ def decode_split_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s2 - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_head + v_rows[:, None] + offs_dv[None, :] * stride_vd
-        v_mask = col_ok[:, None] & dv_mask[None, :]
-        if STREAM_HINT == 1 or STREAM_HINT == 4:
-            v = tl.load(v_ptrs, mask=v_mask, other=0.0, eviction_policy="evict_first")
-        elif STREAM_HINT == 2:
-            v = tl.load(v_ptrs, mask=v_mask, other=0.0, cache_modifier=".cg", eviction_policy="evict_first")
-        else:
-            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        v = tl.load(v_head + v_rows[:, None] + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & dv_mask[None, :], other=0.0)
         acc = acc * alpha[:, None]
         if v.dtype == tl.float32:
             acc = tl.dot(p, v, acc, input_precision="tf32x3")
