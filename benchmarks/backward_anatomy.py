@@ -11,8 +11,11 @@ repeats, synchronised between repeats), each a different way of doing the same f
   dropin            the drop-in under `torch.autograd.grad` (what users run)
   dropin_1thread    the same with torch's autograd worker threads off (backward on this thread)
   dropin_hooks      the same under identity saved-tensor hooks (residuals go through torch)
+  dropin_node_direct  the drop-in's forward, then its autograd node called directly (no engine)
+  dropin_forward_with_grad  the drop-in's forward alone, inputs requiring grad (vjp forward)
   bridge_manual     the drop-in's own pieces without autograd: handshake, import q/k/v, vjp
                     forward, export out, handshake, import dout, backward executable, export grads
+  bridge_manual_forward  its forward half alone
   bridge_manual_handoff  the same with the backward half on a worker thread, the caller waiting
                     for it (how torch's autograd runs CUDA backwards)
   jax_pair          the vjp forward and backward executables alone on JAX arrays, no bridge
@@ -127,12 +130,23 @@ def main() -> None:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             return dropin_step()
 
+    def node_step():
+        with sdpa_implementation(impl):
+            out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.grad_fn.apply(dout)  # the Function's backward, called directly: no engine
+
+    def forward_only_step():
+        with sdpa_implementation(impl):
+            return scaled_dot_product_attention(q, k, v, is_causal=True)
+
     rows["torch_sdpa"] = host_us(torch_step, sync)
     rows["engine_floor"] = host_us(engine_step, sync)
     rows["function_floor"] = host_us(function_step, sync)
     rows["dropin"] = host_us(dropin_step, sync)
     rows["dropin_1thread"] = host_us(single_thread_step, sync)
     rows["dropin_hooks"] = host_us(hooks_step, sync)
+    rows["dropin_node_direct"] = host_us(node_step, sync)
+    rows["dropin_forward_with_grad"] = host_us(forward_only_step, sync)
 
     plan = next(p for s, p in sdpa_module._plans.items()
                 if p.static.get("implementation") in (impl, (impl,)) and s[-1] is True).call
@@ -193,6 +207,7 @@ def main() -> None:
         return out, replies.get()
 
     rows["bridge_manual"] = host_us(manual_step, sync)
+    rows["bridge_manual_forward"] = host_us(manual_forward, sync)
     rows["bridge_manual_handoff"] = host_us(handoff_step, sync)
     requests.put(None)
     thread.join()
@@ -202,7 +217,7 @@ def main() -> None:
     results = trace.call(*arrays)
     rows["backward_alone"] = host_us(lambda: bwd(*arrays, *results, *cot), sync)
     for name in ("torch_sdpa", "engine_floor", "function_floor", "dropin", "dropin_1thread", "dropin_hooks", "bridge_manual",
-                 "bridge_manual_handoff",
+                 "dropin_node_direct", "dropin_forward_with_grad", "bridge_manual_forward", "bridge_manual_handoff",
                  "jax_pair", "jax_pair_ready", "vjp_forward_alone", "backward_alone"):
         print(f"{name:20s} {rows[name]:9.1f} us", flush=True)
     if args.profile:
