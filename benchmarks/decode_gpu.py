@@ -312,6 +312,30 @@ def kernel_times():
     return rows
 
 
+def small_caches():
+    """Small caches through the torch API: the Triton kernel against the XLA formulation
+    (`kernel="xla"`), per call back-to-back and one call at a time, with torch SDPA alongside."""
+    rows = []
+    for b, s in [(1, 1024), (1, 4096), (1, 16384), (4, 4096), (8, 8192)]:
+        gen = torch.Generator(device="cuda").manual_seed(b * s + 1)
+        lengths = torch.full((b,), s, dtype=torch.int32, device="cuda")
+        q, k_bhsd, v_bhsd, mask = make_inputs(b, s, lengths, gen)
+        k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+        row = {"B": b, "S": s, "cache_mb": 2 * b * s * HKV * D * 2 / 2**20}
+        with torch.no_grad():
+            for kernel in ("triton", "xla"):
+                call = lambda kernel=kernel: decode_attention(q, k, v, lengths, kernel=kernel)  # noqa: E731
+                row[f"{kernel}_steady_us"] = time_torch(call, iters=100)
+                row[f"{kernel}_one_call_us"] = one_call_us(call)
+            ref = F.scaled_dot_product_attention(q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True)
+            row["xla_max_abs_diff"] = (decode_attention(q, k, v, lengths, kernel="xla").float() - ref.float()).abs().max().item()
+            row["torch_sdpa_steady_us"] = time_torch(
+                lambda: F.scaled_dot_product_attention(q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True), iters=100)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -323,7 +347,11 @@ def main():
                         help="only tiles x split counts on ragged caches, with torch SDPA alongside")
     parser.add_argument("--kernel-times", action="store_true",
                         help="only per-kernel GPU times of one call (ours and torch SDPA) from torch's profiler")
+    parser.add_argument("--small", action="store_true", help="only small caches: Triton kernel against kernel='xla'")
     args = parser.parse_args()
+    if args.small:
+        print(json.dumps({"small": small_caches()}, indent=1))
+        return
     if args.kernel_times:
         print(json.dumps({"kernel_times": kernel_times()}, indent=1))
         return
