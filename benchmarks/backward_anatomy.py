@@ -30,25 +30,16 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import queue
+import sys
 import threading
-import statistics
-import time
 
 
-def host_us(fn, sync, n=200, repeats=7, warmup=20) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dispatch_probe import host_us  # noqa: E402  (host µs per call, median of repeats)
 
 
 def profile(fn, n=300, top=30) -> str:
@@ -139,14 +130,14 @@ def main() -> None:
         with sdpa_implementation(impl):
             return scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    rows["torch_sdpa"] = host_us(torch_step, sync)
-    rows["engine_floor"] = host_us(engine_step, sync)
-    rows["function_floor"] = host_us(function_step, sync)
-    rows["dropin"] = host_us(dropin_step, sync)
-    rows["dropin_1thread"] = host_us(single_thread_step, sync)
-    rows["dropin_hooks"] = host_us(hooks_step, sync)
-    rows["dropin_node_direct"] = host_us(node_step, sync)
-    rows["dropin_forward_with_grad"] = host_us(forward_only_step, sync)
+    rows["torch_sdpa"] = host_us(torch_step, sync=sync)
+    rows["engine_floor"] = host_us(engine_step, sync=sync)
+    rows["function_floor"] = host_us(function_step, sync=sync)
+    rows["dropin"] = host_us(dropin_step, sync=sync)
+    rows["dropin_1thread"] = host_us(single_thread_step, sync=sync)
+    rows["dropin_hooks"] = host_us(hooks_step, sync=sync)
+    rows["dropin_node_direct"] = host_us(node_step, sync=sync)
+    rows["dropin_forward_with_grad"] = host_us(forward_only_step, sync=sync)
 
     plan = next(p for s, p in sdpa_module._plans.items()
                 if p.static.get("implementation") in (impl, (impl,)) and s[-1] is True).call
@@ -206,16 +197,16 @@ def main() -> None:
         requests.put((arrays, results))
         return out, replies.get()
 
-    rows["bridge_manual"] = host_us(manual_step, sync)
-    rows["bridge_manual_forward"] = host_us(manual_forward, sync)
-    rows["bridge_manual_handoff"] = host_us(handoff_step, sync)
+    rows["bridge_manual"] = host_us(manual_step, sync=sync)
+    rows["bridge_manual_forward"] = host_us(manual_forward, sync=sync)
+    rows["bridge_manual_handoff"] = host_us(handoff_step, sync=sync)
     requests.put(None)
     thread.join()
-    rows["jax_pair"] = host_us(jax_pair, sync)
-    rows["jax_pair_ready"] = host_us(lambda: jax.block_until_ready(jax_pair()), sync)
-    rows["vjp_forward_alone"] = host_us(lambda: trace.call(*arrays), sync)
+    rows["jax_pair"] = host_us(jax_pair, sync=sync)
+    rows["jax_pair_ready"] = host_us(lambda: jax.block_until_ready(jax_pair()), sync=sync)
+    rows["vjp_forward_alone"] = host_us(lambda: trace.call(*arrays), sync=sync)
     results = trace.call(*arrays)
-    rows["backward_alone"] = host_us(lambda: bwd(*arrays, *results, *cot), sync)
+    rows["backward_alone"] = host_us(lambda: bwd(*arrays, *results, *cot), sync=sync)
     for name in ("torch_sdpa", "engine_floor", "function_floor", "dropin", "dropin_1thread", "dropin_hooks", "bridge_manual",
                  "dropin_node_direct", "dropin_forward_with_grad", "bridge_manual_forward", "bridge_manual_handoff",
                  "jax_pair", "jax_pair_ready", "vjp_forward_alone", "backward_alone"):

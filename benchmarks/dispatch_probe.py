@@ -30,7 +30,7 @@ import time
 VARIANTS = {"default": "", "no_command_buffer": "--xla_gpu_enable_command_buffer="}
 
 
-def _host_us(fn, n=200, repeats=7, warmup=20, sync=None) -> float:
+def host_us(fn, n=200, repeats=7, warmup=20, sync=None) -> float:
     for _ in range(warmup):
         fn()
     if sync:
@@ -49,7 +49,7 @@ def _host_us(fn, n=200, repeats=7, warmup=20, sync=None) -> float:
 def _ready_us(fn, n=200, repeats=7, warmup=20) -> float:
     import jax
 
-    return _host_us(lambda: jax.block_until_ready(fn()), n, repeats, warmup)
+    return host_us(lambda: jax.block_until_ready(fn()), n, repeats, warmup)
 
 
 def _entry_ops(hlo: str) -> dict:
@@ -89,13 +89,13 @@ def child(shape, device: str) -> dict:
 
     native = jax.device_put(jnp.ones(shape, jnp.bfloat16 if cuda else jnp.float32), jdev)
     add = jax.jit(lambda x: x + 1).trace(native).lower().compile()
-    row["trivial_dispatch_host_us"] = _host_us(lambda: add(native), sync=sync)
+    row["trivial_dispatch_host_us"] = host_us(lambda: add(native), sync=sync)
     row["trivial_ready_us"] = _ready_us(lambda: add(native))
-    row["import_one_with_stream_us"] = _host_us(lambda: dlpack.import_tensors([q], jdev, jstream), sync=sync)
+    row["import_one_with_stream_us"] = host_us(lambda: dlpack.import_tensors([q], jdev, jstream), sync=sync)
     if cuda:
-        row["import_one_no_stream_us"] = _host_us(lambda: dlpack.import_tensors([q], jdev, None), sync=sync)
-        row["external_stream_query_us"] = _host_us(jdev.get_stream_for_external_ready_events)
-    row["handshake_us"] = _host_us(lambda: dlpack.cuda_handshake(q.device, jdev), sync=sync) if cuda else None
+        row["import_one_no_stream_us"] = host_us(lambda: dlpack.import_tensors([q], jdev, None), sync=sync)
+        row["external_stream_query_us"] = host_us(jdev.get_stream_for_external_ready_events)
+    row["handshake_us"] = host_us(lambda: dlpack.cuda_handshake(q.device, jdev), sync=sync) if cuda else None
 
     for impl in ("vanilla", "sdpa", "flash"):
         try:
@@ -112,13 +112,13 @@ def child(shape, device: str) -> dict:
         natives = [jax.device_put(jnp.asarray(a), jdev) for a in arrays]
         jax.block_until_ready(natives)
         info = {
-            "dispatch_host_us": _host_us(lambda: trace.call(*arrays), n=100, sync=sync),
+            "dispatch_host_us": host_us(lambda: trace.call(*arrays), n=100, sync=sync),
             "ready_us": _ready_us(lambda: trace.call(*arrays)),
-            "native_dispatch_host_us": _host_us(lambda: trace.call(*natives), n=100, sync=sync),
+            "native_dispatch_host_us": host_us(lambda: trace.call(*natives), n=100, sync=sync),
             "native_ready_us": _ready_us(lambda: trace.call(*natives)),
         }
         with torch.no_grad(), sdpa_implementation(impl):
-            info["dropin_call_us"] = _host_us(lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
+            info["dropin_call_us"] = host_us(lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
                                               sync=sync)
         try:
             info["entry_ops"] = _entry_ops(trace.call.as_text())
@@ -147,11 +147,11 @@ def _training_breakdown(impl, q, k, v, jdev, jstream, sync) -> dict:
         with sdpa_implementation(impl):
             return torch.autograd.grad(scaled_dot_product_attention(*leaves, is_causal=True), leaves, dout)
 
-    out: dict = {"fwdbwd_call_us": _host_us(step, n=100, sync=sync)}
+    out: dict = {"fwdbwd_call_us": host_us(step, n=100, sync=sync)}
     # torch runs CUDA backwards on a per-device worker thread; in the calling thread instead:
     torch.autograd.set_multithreading_enabled(False)
     try:
-        out["fwdbwd_call_single_thread_us"] = _host_us(step, n=100, sync=sync)
+        out["fwdbwd_call_single_thread_us"] = host_us(step, n=100, sync=sync)
     finally:
         torch.autograd.set_multithreading_enabled(True)
     out["fwdbwd_pieces_us"] = _pieces(step, sync)
@@ -160,7 +160,7 @@ def _training_breakdown(impl, q, k, v, jdev, jstream, sync) -> dict:
     cp = plan.call
     trace = cp.trace()
     arrays = dlpack.import_tensors([dlpack.importable(t) for t in leaves], jdev, jstream)
-    out["vjp_forward_dispatch_host_us"] = _host_us(lambda: trace.call(*arrays), n=100, sync=sync)
+    out["vjp_forward_dispatch_host_us"] = host_us(lambda: trace.call(*arrays), n=100, sync=sync)
     out["vjp_forward_ready_us"] = _ready_us(lambda: trace.call(*arrays))
     results = trace.call(*arrays)
     backward = [v_ for k_, v_ in CACHE._data.items() if k_[0] == "bwd" and k_[2] == cp.spec]
@@ -169,7 +169,7 @@ def _training_breakdown(impl, q, k, v, jdev, jstream, sync) -> dict:
         cot = dlpack.import_tensors([dout], jdev, jstream)
         operands = [*arrays, *results, *cot]  # inputs, outputs + residuals, the output's cotangent
         try:
-            out["backward_dispatch_host_us"] = _host_us(lambda: bwd(*operands), n=100, sync=sync)
+            out["backward_dispatch_host_us"] = host_us(lambda: bwd(*operands), n=100, sync=sync)
             out["backward_ready_us"] = _ready_us(lambda: bwd(*operands))
             out["backward_entry_ops"] = _entry_ops(bwd.as_text())
         except Exception as exc:  # informative only
