@@ -21,7 +21,9 @@ repeats, synchronised between repeats), each a different way of doing the same f
   jax_pair          the vjp forward and backward executables alone on JAX arrays, no bridge
   jax_pair_ready    the same, waiting for the gradients each iteration
 
-`--profile` adds cProfile's top functions (by own time) for dropin_1thread and bridge_manual.
+`--profile` adds cProfile's top functions (by own time) for dropin_1thread and bridge_manual;
+`--api` only counts CUDA runtime/driver calls per iteration (torch's profiler, every thread);
+`--loop NAME [--iters N]` only runs one way N times, for an outside profiler (nsys, perf).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import pstats
 import queue
 import sys
 import threading
+import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +65,10 @@ def main() -> None:
     parser.add_argument("--impl", default="flash")
     parser.add_argument("--shape", default="1,4,128,64")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--loop", default=None, help="only run this way --iters times (for nsys/perf)")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--api", action="store_true",
+                        help="only CUDA runtime/driver calls per iteration for four ways (torch's profiler)")
     args = parser.parse_args()
 
     import jaxattn.bridge  # noqa: F401  (memory policy first)
@@ -130,15 +137,7 @@ def main() -> None:
         with sdpa_implementation(impl):
             return scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    rows["torch_sdpa"] = host_us(torch_step, sync=sync)
-    rows["engine_floor"] = host_us(engine_step, sync=sync)
-    rows["function_floor"] = host_us(function_step, sync=sync)
-    rows["dropin"] = host_us(dropin_step, sync=sync)
-    rows["dropin_1thread"] = host_us(single_thread_step, sync=sync)
-    rows["dropin_hooks"] = host_us(hooks_step, sync=sync)
-    rows["dropin_node_direct"] = host_us(node_step, sync=sync)
-    rows["dropin_forward_with_grad"] = host_us(forward_only_step, sync=sync)
-
+    dropin_step()  # compiles, and leaves the call plan the manual steps below take apart
     plan = next(p for s, p in sdpa_module._plans.items()
                 if p.static.get("implementation") in (impl, (impl,)) and s[-1] is True).call
     trace = plan.trace()
@@ -197,6 +196,57 @@ def main() -> None:
         requests.put((arrays, results))
         return out, replies.get()
 
+    if args.api:  # CUDA runtime/driver calls per iteration (any thread), from torch's profiler
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        ways = {"bridge_manual": manual_step, "dropin_1thread": single_thread_step, "dropin": dropin_step,
+                "torch_sdpa": torch_step}
+        for name, step in ways.items():
+            for _ in range(50):
+                step()
+            sync()
+            n = 200
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    step()
+                sync()
+            calls: dict = {}
+            for e in prof.events():
+                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU and e.name.startswith("cu"):
+                    c = calls.setdefault(e.name, [0, 0.0, set()])
+                    c[0] += 1
+                    c[1] += e.time_range.elapsed_us()
+                    c[2].add(e.thread)
+            rows[f"api_{name}"] = {k: {"calls": round(v[0] / n, 2), "us": round(v[1] / n, 1), "threads": len(v[2])}
+                                   for k, v in sorted(calls.items(), key=lambda kv: -kv[1][1])}
+            print(name, json.dumps(rows[f"api_{name}"]), flush=True)
+        requests.put(None)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
+    if args.loop:  # one way only, for an outside profiler (nsys, perf)
+        step = {"torch_sdpa": torch_step, "dropin": dropin_step, "dropin_1thread": single_thread_step,
+                "bridge_manual": manual_step, "bridge_manual_handoff": handoff_step, "jax_pair": jax_pair}[args.loop]
+        for _ in range(50):
+            step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            step()
+        sync()
+        print(f"{args.loop}: {(time.perf_counter() - t0) / args.iters * 1e6:.1f} us per iteration", flush=True)
+        requests.put(None)
+        return
+    rows["torch_sdpa"] = host_us(torch_step, sync=sync)
+    rows["engine_floor"] = host_us(engine_step, sync=sync)
+    rows["function_floor"] = host_us(function_step, sync=sync)
+    rows["dropin"] = host_us(dropin_step, sync=sync)
+    rows["dropin_1thread"] = host_us(single_thread_step, sync=sync)
+    rows["dropin_hooks"] = host_us(hooks_step, sync=sync)
+    rows["dropin_node_direct"] = host_us(node_step, sync=sync)
+    rows["dropin_forward_with_grad"] = host_us(forward_only_step, sync=sync)
     rows["bridge_manual"] = host_us(manual_step, sync=sync)
     rows["bridge_manual_forward"] = host_us(manual_forward, sync=sync)
     rows["bridge_manual_handoff"] = host_us(handoff_step, sync=sync)
