@@ -22,6 +22,7 @@ repeats, synchronised between repeats), each a different way of doing the same f
   jax_pair_ready    the same, waiting for the gradients each iteration
 
 `--profile` adds cProfile's top functions (by own time) for dropin_1thread and bridge_manual;
+`--gc` only times four ways with Python's garbage collector on, frozen and off;
 `--api` only counts CUDA runtime/driver calls per iteration (torch's profiler, every thread);
 `--loop NAME [--iters N]` only runs one way N times, for an outside profiler (nsys, perf).
 """
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--loop", default=None, help="only run this way --iters times (for nsys/perf)")
     parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--gc", action="store_true",
+                        help="only four ways with Python's garbage collector on, frozen (gc.freeze) and off")
     parser.add_argument("--api", action="store_true",
                         help="only CUDA runtime/driver calls per iteration for four ways (torch's profiler)")
     args = parser.parse_args()
@@ -196,6 +199,27 @@ def main() -> None:
         requests.put((arrays, results))
         return out, replies.get()
 
+    if args.gc:  # the same ways with Python's cyclic garbage collector frozen, then off
+        import gc
+
+        ways = {"dropin": dropin_step, "dropin_1thread": single_thread_step, "bridge_manual": manual_step,
+                "torch_sdpa": torch_step}
+        for name, step in ways.items():
+            rows[f"{name}_gc_on"] = host_us(step, sync=sync)
+            gc.collect()
+            gc.freeze()  # everything alive now is left out of later collections
+            rows[f"{name}_gc_frozen"] = host_us(step, sync=sync)
+            gc.unfreeze()
+            gc.disable()
+            rows[f"{name}_gc_off"] = host_us(step, sync=sync)
+            gc.enable()
+            print(name, {k: round(v, 1) for k, v in rows.items() if k.startswith(name + "_gc")}, flush=True)
+        print("gc thresholds", gc.get_threshold(), "tracked objects", len(gc.get_objects()), flush=True)
+        requests.put(None)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.api:  # CUDA runtime/driver calls per iteration (any thread), from torch's profiler
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
