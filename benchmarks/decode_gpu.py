@@ -22,7 +22,9 @@ Setting (the issue's): bf16, Hq=32, Hkv=8, D=128, one query per sequence.
 Steady-state timing: back-to-back calls between CUDA events (torch) or to block_until_ready (JAX),
 median of 5 repeats after warm-up (see foundation_gpu.py `time_torch` / `time_jax`).
 `--sweep` also times tiles (BLOCK_N, warps, stages) and split counts of the kernel itself;
-`--ragged-sweep` only does that for ragged caches, next to torch SDPA and the read-only bandwidth.
+`--ragged-sweep` only does that for ragged caches, next to torch SDPA and the read-only bandwidth;
+`--ragged-draws N` times N draws of ragged lengths per shape (ours and torch SDPA on each draw);
+`--stream` compares the split and stream schedules (`DecodeConfig.schedule`) on full and ragged caches.
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ def sweep(shapes, copy_gbps):
             for splits in (None, 2, 4, 8, 16, 32, 64):
                 if splits is not None and tile is not None:
                     continue  # splits are swept at the default tile
-                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", tiles=tile, num_splits=splits)
+                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", tiles=tile, num_splits=splits, schedule="split")
                 fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
                 try:
                     us = time_jax(lambda: fn(qj, kj, vj, nj), iters=20)
@@ -222,7 +224,8 @@ def balance(copy_gbps):
         lengths, (qj, kj, vj, nj) = bshd_case(b, s, ragged)
         for fixed in (False, True):
             for splits in (None, 8, 16, 32, 64):
-                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", num_splits=splits, fixed_shares=fixed)
+                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", num_splits=splits, fixed_shares=fixed,
+                                   schedule="split")
                 fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
                 us = time_jax(lambda: fn(qj, kj, vj, nj), iters=30)
                 gbps = kv_bytes(lengths) / us / 1e3
@@ -258,7 +261,7 @@ def ragged_sweep(copy_gbps):
             for tile in tiles:
                 for splits in (None, 16, 32):
                     cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", cache_layout=layout, tiles=tile,
-                                       num_splits=splits)
+                                       num_splits=splits, schedule="split")
                     fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
                     row = {"B": b, "S": s, "ragged": ragged, "layout": layout, "tile": tile, "splits": splits,
                            "torch_sdpa_us": torch_us}
@@ -272,6 +275,90 @@ def ragged_sweep(copy_gbps):
                     out["rows"].append(row)
                     print(json.dumps(row), flush=True)
             del qj, kj, vj, k, v
+    return out
+
+
+def ragged_draws(copy_gbps, draws):
+    """Several draws of ragged lengths (uniform in [S/8, S], seeds 0 .. draws-1) over one cache per
+    shape: per draw, ours (JAX and torch API) and torch SDPA over the padded cache with that draw's
+    mask, and the speedup a kernel reading only the valid positions at torch's efficiency would get.
+    The issue's ragged target is about the distribution of lengths, which one draw samples poorly
+    at B=8 (valid fraction 0.5625 on average, 0.42-0.71 for the middle 90% of draws)."""
+    out = []
+    for b, s in [(8, 32768), (32, 8192)]:
+        gen = torch.Generator(device="cuda").manual_seed(b * s)
+        q, k_bhsd, v_bhsd, _ = make_inputs(b, s, torch.full((b,), s, device="cuda", dtype=torch.int32), gen)
+        k_bshd, v_bshd = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+        for seed in range(draws):
+            lengths = cache_lengths(b, s, True, torch.Generator(device="cuda").manual_seed(seed))
+            mask = (torch.arange(s, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+            nbytes = kv_bytes(lengths)
+            row = {"B": b, "S": s, "seed": seed, "kv_bytes": nbytes,
+                   "valid_fraction": nbytes / (b * s * HKV * D * 2 * 2)}
+            row["jax_us"] = time_jax(jax_caller(q, k_bshd, v_bshd, lengths), iters=30)
+            with torch.no_grad():
+                row["torch_api_us"] = time_torch(lambda: decode_attention(q, k_bshd, v_bshd, lengths), iters=30)
+                row["torch_sdpa_us"] = time_torch(
+                    lambda: F.scaled_dot_product_attention(q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True),
+                    iters=30)
+            row["jax_frac_of_copy"] = nbytes / row["jax_us"] / 1e3 / copy_gbps
+            row["speedup_jax"] = row["torch_sdpa_us"] / row["jax_us"]
+            row["speedup_torch_api"] = row["torch_sdpa_us"] / row["torch_api_us"]
+            row["speedup_at_equal_efficiency"] = 1 / row["valid_fraction"]
+            out.append(row)
+            print(json.dumps(row), flush=True)
+        del q, k_bhsd, v_bhsd, k_bshd, v_bshd
+    for b in (8, 32):
+        rows = [r for r in out if r["B"] == b]
+        summary = {"B": b, "draws": len(rows)}
+        for key in ("speedup_jax", "speedup_torch_api", "speedup_at_equal_efficiency", "valid_fraction"):
+            vals = [r[key] for r in rows]
+            summary[key] = {"median": statistics.median(vals), "mean": statistics.fmean(vals),
+                            "min": min(vals), "max": max(vals)}
+        summary["draws_at_or_above_1.7x_torch_api"] = sum(r["speedup_torch_api"] >= 1.7 for r in rows)
+        print(json.dumps({"summary": summary}), flush=True)
+    return out
+
+
+def stream_sweep(copy_gbps, draws=4):
+    """The split schedule (default tiles and splits) against the stream schedule (programs per
+    multiprocessor x tiles) on full caches and `draws` ragged draws per shape, JAX level, with torch
+    SDPA over the padded cache timed on the same draw."""
+    configs = [("split", None, None)] + [("stream", pps, tile) for tile in [(64, 4, 3), (64, 4, 4), (128, 4, 3)]
+                                         for pps in (1, 2, 3, 4)]
+    out = []
+    for b, s in [(8, 32768), (32, 8192)]:
+        gen = torch.Generator(device="cuda").manual_seed(b * s)
+        q, k_bhsd, v_bhsd, _ = make_inputs(b, s, torch.full((b,), s, device="cuda", dtype=torch.int32), gen)
+        k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
+        qj, kj, vj = to_jax([q, k, v])
+        fns = {}
+        for schedule, pps, tile in configs:
+            cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", cache_layout="BSHD", tiles=tile, schedule=schedule,
+                               stream_programs_per_sm=pps or 2)
+            fns[(schedule, pps, tile)] = jax.jit(
+                lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
+        for seed in [None] + list(range(draws)):
+            lengths = (torch.full((b,), s, device="cuda", dtype=torch.int32) if seed is None
+                       else cache_lengths(b, s, True, torch.Generator(device="cuda").manual_seed(seed)))
+            mask = (torch.arange(s, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+            with torch.no_grad():
+                torch_us = time_torch(lambda: F.scaled_dot_product_attention(
+                    q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True), iters=30)
+                ref = F.scaled_dot_product_attention(q, k_bhsd, v_bhsd, attn_mask=mask, enable_gqa=True)
+            (nj,) = to_jax([lengths])
+            nbytes = kv_bytes(lengths)
+            for key, fn in fns.items():
+                row = {"B": b, "S": s, "seed": seed, "schedule": key[0], "programs_per_sm": key[1], "tile": key[2],
+                       "valid_fraction": nbytes / (b * s * HKV * D * 4), "torch_sdpa_us": torch_us}
+                row["us"] = time_jax(lambda: fn(qj, kj, vj, nj), iters=30)
+                row["frac_of_copy"] = nbytes / row["us"] / 1e3 / copy_gbps
+                row["speedup"] = torch_us / row["us"]
+                got = torch.from_dlpack(fn(qj, kj, vj, nj))
+                row["max_abs_diff_vs_torch"] = (got.float() - ref.float()).abs().max().item()
+                out.append(row)
+                print(json.dumps(row), flush=True)
+        del q, k_bhsd, v_bhsd, k, v, qj, kj, vj
     return out
 
 
@@ -348,6 +435,10 @@ def main():
     parser.add_argument("--kernel-times", action="store_true",
                         help="only per-kernel GPU times of one call (ours and torch SDPA) from torch's profiler")
     parser.add_argument("--small", action="store_true", help="only small caches: Triton kernel against kernel='xla'")
+    parser.add_argument("--stream", action="store_true",
+                        help="only the split schedule against the stream schedule, full and ragged caches")
+    parser.add_argument("--ragged-draws", type=int, default=0, metavar="N",
+                        help="only N seeded draws of ragged lengths per shape, each against torch SDPA")
     args = parser.parse_args()
     if args.small:
         print(json.dumps({"small": small_caches()}, indent=1))
@@ -356,6 +447,12 @@ def main():
         print(json.dumps({"kernel_times": kernel_times()}, indent=1))
         return
     copy = copy_bandwidth()
+    if args.stream:
+        print(json.dumps({"copy": copy, "stream": stream_sweep(copy["copy_gbps"])}))
+        return
+    if args.ragged_draws:
+        print(json.dumps({"copy": copy, "ragged_draws": ragged_draws(copy["copy_gbps"], args.ragged_draws)}))
+        return
     if args.ragged_sweep:
         print(json.dumps({"copy": copy, "ragged_sweep": ragged_sweep(copy["copy_gbps"])}, indent=1))
         return

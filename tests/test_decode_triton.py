@@ -83,7 +83,7 @@ KERNEL_CASES = [
 def test_split_and_merge_kernels(layout, groups, t, splits, window, softcap, sinks):
     _, q, k, v, kc, vc, table, sink_logits = _case(groups * 10 + t + splits, groups, t, layout)
     cfg = DecodeConfig(scale=D ** -0.5, window=(window if window is not None else -1, -1), softcap=softcap,
-                       cache_layout=layout, num_splits=splits, tiles=(16, 4, 2))
+                       cache_layout=layout, num_splits=splits, tiles=(16, 4, 2), schedule="split")
     out, lse = decode_attention_triton(
         _j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS), None if table is None else _j(table),
         _j(sink_logits) if sinks else None, cfg)
@@ -95,10 +95,41 @@ def test_per_sequence_shares(layout, splits, window):
     """The other split rule (each sequence cut into `splits` equal shares) stays correct."""
     _, q, k, v, kc, vc, table, _ = _case(7 + splits, 4, 2, layout)
     cfg = DecodeConfig(scale=D ** -0.5, window=(window if window is not None else -1, -1),
-                       cache_layout=layout, num_splits=splits, tiles=(16, 4, 2), fixed_shares=False)
+                       cache_layout=layout, num_splits=splits, tiles=(16, 4, 2), fixed_shares=False,
+                       schedule="split")
     out, lse = decode_attention_triton(_j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS),
                                        None if table is None else _j(table), None, cfg)
     _check(out, lse, q, k, v, window=window)
+
+
+@pytest.mark.parametrize("layout,groups,t,splits,window,softcap,sinks", KERNEL_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("programs,min_share", [(8, 1), (3, None)])
+def test_stream_schedule(layout, groups, t, splits, window, softcap, sinks, programs, min_share):
+    """The stream schedule: slices of one key block cut segments into several partial results and
+    span several segments (8 programs, 1 block at least); the default plan with 3 programs."""
+    _, q, k, v, kc, vc, table, sink_logits = _case(groups * 10 + t + splits + 50, groups, t, layout)
+    cfg = DecodeConfig(scale=D ** -0.5, window=(window if window is not None else -1, -1), softcap=softcap,
+                       cache_layout=layout, tiles=(16, 4, 2), schedule="stream", num_sms=programs,
+                       stream_programs_per_sm=1, stream_min_share=min_share)
+    out, lse = decode_attention_triton(
+        _j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS), None if table is None else _j(table),
+        _j(sink_logits) if sinks else None, cfg)
+    _check(out, lse, q, k, v, window=window, softcap=softcap, sinks=sink_logits if sinks else None)
+
+
+def test_stream_segments_and_plan():
+    from jaxattn.jax_core.kernels.decode_jax_triton import segment_offsets, stream_plan
+    # lengths 1, 40, 23, 0 from starts 0, 3, 9, 0 in 16-position blocks: 1, 3, 2 and 0 blocks per
+    # sequence, each repeated for 2 KV heads
+    cfg = DecodeConfig(scale=1.0)
+    cum = segment_offsets(_j(LENGTHS), _j(STARTS), 1, S, cfg, 16, 2)
+    assert np.array(cum).tolist() == [0, 1, 2, 5, 8, 10, 12, 12, 12]
+    # a window of 5 before the last query: blocks of [length - 6, length) only
+    cum = segment_offsets(_j(LENGTHS), _j(STARTS), 1, S, DecodeConfig(scale=1.0, window=(5, -1)), 16, 1)
+    assert np.array(cum).tolist() == [0, 1, 2, 3, 3]
+    # the slices of a full batch are at least a quarter of an even split; the bound on partials holds
+    min_share, max_parts = stream_plan(64, 513, 264)
+    assert min_share == -(-64 * 513 // 264) // 4 and (max_parts - 1) * min_share >= 513
 
 
 def test_share_blocks_cover_every_visible_block():

@@ -1,4 +1,4 @@
-"""Decode attention on CUDA (Triton split-K kernels through jax-triton) via the torch API: the CPU
+"""Decode attention on CUDA (the Triton kernels through jax-triton) via the torch API: the CPU
 grid (cache layouts, GQA 1/4/8, q_len 1/4, ragged lengths incl. 1 and S_max and an empty sequence,
 window, soft cap, sinks) in bf16/fp16, with flash-attn's rule: our error against a float64
 reference is at most twice torch's error in the same dtype, plus 1e-3. Skipped without a CUDA

@@ -20,10 +20,13 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from .decode_stream_triton import decode_stream_kernel, decode_stream_merge_kernel
 from .decode_triton import decode_merge_kernel, decode_split_kernel
 
 #: Cache layouts: contiguous (B, S, Hkv, D) or (B, Hkv, S, D), or pages (P, PS, Hkv, D).
 CACHE_LAYOUTS = ("BSHD", "BHSD", "paged")
+#: How key blocks are given to programs (`DecodeConfig.schedule`).
+SCHEDULES = ("split", "stream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,14 @@ class DecodeConfig:
         fixed_shares: every sequence's keys are cut into shares of the size a full-length sequence
             gets (`share_blocks`), so a short sequence keeps fewer programs busy instead of giving
             each less work; False: each sequence splits its own keys into NUM_SPLITS equal shares.
+        schedule: "stream" (default): a fixed number of programs, each taking an equal slice of all
+            the batch's key blocks (`decode_stream_triton`; num_splits and fixed_shares do not
+            apply); "split": a grid of (shares, row blocks, B * Hkv) programs (`decode_triton`).
+            On an H100 (`benchmarks/decode_gpu.py --stream`) "stream" was 0-7% faster on ragged
+            caches and within 1% on full ones.
+        stream_programs_per_sm: programs per multiprocessor of the "stream" schedule.
+        stream_min_share: the fewest key blocks one program of the "stream" schedule takes; None:
+            `stream_plan`'s choice.
     """
 
     scale: float
@@ -59,6 +70,9 @@ class DecodeConfig:
     tiles: Optional[tuple[int, int, int]] = None
     num_sms: Optional[int] = None
     fixed_shares: bool = True
+    schedule: str = "stream"
+    stream_programs_per_sm: int = 2
+    stream_min_share: Optional[int] = None
 
 
 def _next_pow2(n: int) -> int:
@@ -105,6 +119,35 @@ def share_blocks(capacity: int, t: int, window: tuple[int, int], causal: bool, b
         span = min(capacity, left + t + (0 if causal else right) + block_n)
     max_blocks = -(-span // block_n) + 1
     return -(-max_blocks // num_splits)
+
+
+def segment_offsets(lengths: jax.Array, starts: Optional[jax.Array], t: int, capacity: int, cfg: DecodeConfig,
+                    block_n: int, segments_per_sequence: int) -> jax.Array:
+    """(B * segments_per_sequence + 1,) int32 cumulative key blocks of the stream schedule's
+    segments: each sequence's blocks intersecting the positions its queries see (the kernels'
+    `sequence_range`), repeated for its KV heads and row blocks."""
+    left, right = (min(int(w), capacity + t) for w in cfg.window)
+    length = jnp.minimum(lengths.astype(jnp.int32), capacity)
+    start = jnp.zeros_like(length) if starts is None else jnp.maximum(starts.astype(jnp.int32), 0)
+    pos_last = length - 1 + cfg.pos_shift
+    seq_lo = start if cfg.window[0] < 0 else jnp.maximum(start, length - t + cfg.pos_shift - left)
+    seq_lo = jnp.maximum(seq_lo, 0)
+    seq_hi = jnp.minimum(length, pos_last + 1) if cfg.causal else length
+    if cfg.window[1] >= 0:
+        seq_hi = jnp.minimum(seq_hi, pos_last + right + 1)
+    n_blk = jnp.where(seq_hi > seq_lo, (seq_hi + block_n - 1) // block_n - seq_lo // block_n, 0)
+    counts = jnp.repeat(n_blk, segments_per_sequence)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+
+
+def stream_plan(segments: int, max_blocks: int, num_programs: int, min_share: Optional[int] = None
+                ) -> tuple[int, int]:
+    """(MIN_SHARE, MAX_PARTS) of the stream schedule: by default a program's slice has at least a
+    quarter of what it gets when every sequence is full (and at least 4 blocks); that bounds the
+    partial results one segment can have (MAX_PARTS)."""
+    if min_share is None:
+        min_share = max(4, -(-segments * max_blocks // num_programs) // 4)
+    return min_share, -(-max_blocks // min_share) + 1
 
 
 def _device_sms() -> int:
@@ -190,6 +233,53 @@ def _merge_entry(
     )
 
 
+@triton.jit
+def _stream_entry(
+    Q, K, V, Lengths, Starts, BlockTable, SegCum, Out, Lse,
+    sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqd: tl.constexpr,
+    skb: tl.constexpr, sks: tl.constexpr, skh: tl.constexpr, skd: tl.constexpr,
+    svb: tl.constexpr, svs: tl.constexpr, svh: tl.constexpr, svd: tl.constexpr,
+    stb: tl.constexpr,
+    sob: tl.constexpr, sot: tl.constexpr, soh: tl.constexpr, sopart: tl.constexpr, sod: tl.constexpr,
+    slb: tl.constexpr, slt: tl.constexpr, slh: tl.constexpr, slpart: tl.constexpr,
+    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
+    pos_shift: tl.constexpr,
+    T: tl.constexpr, G: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
+    capacity: tl.constexpr, num_segments: tl.constexpr, num_programs: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ROW_BLOCKS: tl.constexpr, MIN_SHARE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_SEG: tl.constexpr,
+):
+    decode_stream_kernel(
+        Q, K, V, Lengths, Starts, BlockTable, SegCum, Out, Lse,
+        sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, stb,
+        sob, sot, soh, sopart, sod, slb, slt, slh, slpart,
+        scale, softcap, window_left, window_right, pos_shift, T, G, Hkv, D, Dv, capacity,
+        num_segments, num_programs, CAUSAL, HAS_STARTS, PAGED, PAGE_SIZE, SOFTCAP, FAST_TANH,
+        ROW_BLOCKS, MIN_SHARE, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_SEG,
+    )
+
+
+@triton.jit
+def _stream_merge_entry(
+    OutPart, LsePart, SegCum, Sinks, Out, Lse,
+    spb: tl.constexpr, spt: tl.constexpr, sph: tl.constexpr, sppart: tl.constexpr, spd: tl.constexpr,
+    sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqpart: tl.constexpr,
+    sob: tl.constexpr, sot: tl.constexpr, soh: tl.constexpr, sod: tl.constexpr,
+    slb: tl.constexpr, slt: tl.constexpr, slh: tl.constexpr,
+    T: tl.constexpr, G: tl.constexpr, Hq: tl.constexpr, Dv: tl.constexpr,
+    num_segments: tl.constexpr, num_programs: tl.constexpr,
+    HAS_SINKS: tl.constexpr, MIN_SHARE: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_PARTS: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    decode_stream_merge_kernel(
+        OutPart, LsePart, SegCum, Sinks, Out, Lse, spb, spt, sph, sppart, spd, sqb, sqt, sqh, sqpart,
+        sob, sot, soh, sod, slb, slt, slh, T, G, Hq, Dv, num_segments, num_programs,
+        HAS_SINKS, MIN_SHARE, ROW_BLOCKS, BLOCK_M, BLOCK_PARTS, BLOCK_DV,
+    )
+
+
 def _placeholder(dtype) -> jax.Array:
     return jnp.zeros((1,), dtype)
 
@@ -236,6 +326,11 @@ def decode_attention_triton(
     num_splits = cfg.num_splits or num_splits_for(
         b * hkv * row_blocks, triton.cdiv(capacity, block_n), cfg.num_sms or _device_sms())
     block_d, block_dv = max(16, _next_pow2(d)), max(16, _next_pow2(dv))
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}.")
+    if cfg.schedule == "stream":
+        return _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg, (b, t, hq, d, dv, hkv, capacity),
+                            (block_m, block_n, block_d, block_dv, num_warps, num_stages), page_size)
     final = num_splits == 1
     out_shape = (b, t, hq, dv) if cfg.q_layout == "BTHD" else (b, hq, t, dv)
     if final:
@@ -286,4 +381,56 @@ def decode_attention_triton(
         slb=hq * t, slt=1, slh=t,
         T=t, Hq=hq, Dv=dv, HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
         BLOCK_SPLITS=max(2, _next_pow2(num_splits)), BLOCK_DV=block_dv,
+    )
+
+
+def _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg: DecodeConfig, dims, blocks, page_size):
+    """The stream schedule: `decode_stream_kernel` then `decode_stream_merge_kernel`."""
+    import jax_triton as jt
+
+    b, t, hq, d, dv, hkv, capacity = dims
+    block_m, block_n, block_d, block_dv, num_warps, num_stages = blocks
+    paged = cfg.cache_layout == "paged"
+    groups = hq // hkv
+    row_blocks = triton.cdiv(groups * t, block_m)
+    segments = b * hkv * row_blocks
+    window = tuple(cfg.window)
+    programs = max(1, cfg.stream_programs_per_sm * (cfg.num_sms or _device_sms()))
+    max_blocks = share_blocks(capacity, t, window, bool(cfg.causal), block_n, 1)
+    min_share, max_parts = stream_plan(segments, max_blocks, programs, cfg.stream_min_share)
+    seg_cum = segment_offsets(lengths, starts, t, capacity, cfg, block_n, hkv * row_blocks)
+    part_shape = (b, t, hq, max_parts, dv)
+    sinks32 = sinks.astype(jnp.float32) if sinks is not None else _placeholder(jnp.float32)
+    out_part, lse_part = jt.triton_call(
+        q, k, v, lengths.astype(jnp.int32),
+        starts.astype(jnp.int32) if starts is not None else _placeholder(jnp.int32),
+        block_table.astype(jnp.int32) if paged else _placeholder(jnp.int32), seg_cum,
+        kernel=_stream_entry,
+        out_shape=(jax.ShapeDtypeStruct(part_shape, jnp.float32), jax.ShapeDtypeStruct(part_shape[:-1], jnp.float32)),
+        grid=(programs,), num_warps=num_warps, num_stages=num_stages,
+        **dict(zip(("sqb", "sqt", "sqh", "sqd"), _q_strides(q.shape, cfg.q_layout))),
+        **dict(zip(("skb", "sks", "skh", "skd"), _cache_strides(k.shape, "BSHD" if paged else cfg.cache_layout))),
+        **dict(zip(("svb", "svs", "svh", "svd"), _cache_strides(v.shape, "BSHD" if paged else cfg.cache_layout))),
+        stb=block_table.shape[1] if paged else 0,
+        **dict(zip(("sob", "sot", "soh", "sopart", "sod"), _strides(part_shape))),
+        **dict(zip(("slb", "slt", "slh", "slpart"), _strides(part_shape[:-1]))),
+        scale=float(cfg.scale), softcap=float(cfg.softcap or 1.0), window_left=int(window[0]),
+        window_right=int(window[1]), pos_shift=int(cfg.pos_shift), T=t, G=groups, Hkv=hkv, D=d, Dv=dv,
+        capacity=capacity, num_segments=segments, num_programs=programs, CAUSAL=bool(cfg.causal),
+        HAS_STARTS=starts is not None, PAGED=paged, PAGE_SIZE=max(page_size, 1), SOFTCAP=cfg.softcap is not None,
+        FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4, ROW_BLOCKS=row_blocks,
+        MIN_SHARE=min_share, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_SEG=min(1024, _next_pow2(segments)),
+    )
+    out_shape = (b, t, hq, dv) if cfg.q_layout == "BTHD" else (b, hq, t, dv)
+    return jt.triton_call(
+        out_part, lse_part, seg_cum, sinks32, kernel=_stream_merge_entry,
+        out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
+        grid=(b * t * hq,), num_warps=1, num_stages=1,
+        **dict(zip(("spb", "spt", "sph", "sppart", "spd"), _strides(part_shape))),
+        **dict(zip(("sqb", "sqt", "sqh", "sqpart"), _strides(part_shape[:-1]))),
+        **dict(zip(("sob", "sot", "soh", "sod"), _q_strides(out_shape, cfg.q_layout))),
+        slb=hq * t, slt=1, slh=t, T=t, G=groups, Hq=hq, Dv=dv, num_segments=segments, num_programs=programs,
+        HAS_SINKS=sinks is not None, MIN_SHARE=min_share, ROW_BLOCKS=row_blocks, BLOCK_M=block_m,
+        BLOCK_PARTS=min(16, max(2, _next_pow2(max_parts))), BLOCK_DV=block_dv,
     )

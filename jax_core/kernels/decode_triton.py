@@ -47,34 +47,10 @@ from .flash_common_triton import tanh_f32
 
 
 @triton.jit
-def decode_split_kernel(
-    Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_tb,
-    stride_ob, stride_ot, stride_oh, stride_osplit, stride_od,
-    stride_lb, stride_lt, stride_lh, stride_lsplit,
-    scale, softcap, window_left, window_right, pos_shift,
-    T, G, Hkv, D, Dv, capacity,
-    CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SHARE_BLOCKS: tl.constexpr = 0,
-):
-    """One share of one sequence's keys for BLOCK_M query rows of one KV head (module docstring).
-
-    Out/Lse: with NUM_SPLITS == 1 the final (B, T, Hq, Dv) output and (B, T, Hq) LSE (any strides;
-    stride_osplit / stride_lsplit unused); otherwise fp32 partials (B, T, Hq, NUM_SPLITS, Dv) and
-    (B, T, Hq, NUM_SPLITS).
-    """
-    pid_split = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_bk = tl.program_id(2)
-    b = pid_bk // Hkv
-    kvh = pid_bk % Hkv
-    b64 = b.to(tl.int64)
-
+def sequence_range(Lengths, Starts, b, T, capacity, window_left, window_right, pos_shift,
+                   CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr):
+    """(length, start, seq_lo, seq_hi) of sequence b: [seq_lo, seq_hi) are the positions that some
+    of its T queries see (module docstring), length is clamped to the capacity."""
     length = tl.minimum(tl.load(Lengths + b), capacity)
     start = 0
     if HAS_STARTS:
@@ -82,8 +58,6 @@ def decode_split_kernel(
     # Windows are clamped to capacity + T (equivalent to unbounded) to keep int32 math in range.
     wl = tl.minimum(window_left, capacity + T)
     wr = tl.minimum(window_right, capacity + T)
-
-    # The range of positions any query of this sequence sees: [seq_lo, seq_hi).
     pos_first = length - T + pos_shift
     pos_last = length - 1 + pos_shift
     seq_lo = tl.maximum(tl.where(window_left >= 0, tl.maximum(start, pos_first - wl), start), 0)
@@ -91,56 +65,60 @@ def decode_split_kernel(
     if CAUSAL:
         seq_hi = tl.minimum(seq_hi, pos_last + 1)
     seq_hi = tl.where(window_right >= 0, tl.minimum(seq_hi, pos_last + wr + 1), seq_hi)
+    return length, start, seq_lo, seq_hi
 
-    # This program's share of the key blocks that intersect [seq_lo, seq_hi).
-    blk0 = seq_lo // BLOCK_N
-    n_blk = tl.where(seq_hi > seq_lo, (seq_hi + BLOCK_N - 1) // BLOCK_N - blk0, 0)
-    per_split = (n_blk + NUM_SPLITS - 1) // NUM_SPLITS
-    if SHARE_BLOCKS > 0:
-        # Shares of a fixed size, the same for every sequence: a short sequence uses fewer
-        # programs (the rest exit at once) instead of giving each of its programs less work, so
-        # the programs still running at the end are as many as possible (ragged batches).
-        per_split = tl.maximum(per_split, SHARE_BLOCKS)
-    blk_lo = blk0 + pid_split * per_split
-    blk_hi = tl.minimum(blk_lo + per_split, blk0 + n_blk)
 
-    # Query rows r = g * T + t: head kvh * G + g, query t at position pos.
+@triton.jit
+def query_rows(Q, kvh, pid_m, length, start, stride_qt, stride_qh, stride_qd,
+               window_left, window_right, pos_shift, capacity, T, G, D,
+               CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The BLOCK_M query rows r = g * T + t of KV head kvh in row block pid_m (query head
+    kvh * G + g, query t), with the key range [row_lo, row_hi) each row sees.
+
+    Returns (q (BLOCK_M, BLOCK_D), t, head (int64), row_valid, row_lo, row_hi); Q is already
+    offset to sequence b."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     g = offs_m // T
     t = offs_m % T
     row_valid = offs_m < G * T
     head = (kvh * G + g).to(tl.int64)
+    wl = tl.minimum(window_left, capacity + T)
+    wr = tl.minimum(window_right, capacity + T)
     pos = length - T + t + pos_shift
     row_lo = tl.where(window_left >= 0, tl.maximum(start, pos - wl), start)
     row_hi = tl.zeros([BLOCK_M], dtype=tl.int32) + length
     if CAUSAL:
         row_hi = tl.minimum(row_hi, pos + 1)
     row_hi = tl.where(window_right >= 0, tl.minimum(row_hi, pos + wr + 1), row_hi)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_valid[:, None] & (offs_d[None, :] < D), other=0.0)
+    return q, t, head, row_valid, row_lo, row_hi
 
+
+@triton.jit
+def attend_blocks(
+    q, acc, m_i, l_i, blk_lo, blk_hi, seq_lo, seq_hi, row_valid, row_lo, row_hi,
+    k_head, v_head, table_row, b64,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    scale, softcap, D, Dv,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Online softmax of the query rows over key blocks [blk_lo, blk_hi) (positions outside
+    [seq_lo, seq_hi) and outside each row's [row_lo, row_hi) hidden); returns (acc, m_i, l_i) with
+    m_i in the log2 domain. k_head / v_head point at the KV head's first element; table_row at
+    sequence b's block-table row (PAGED)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_mask = offs_d < D
     dv_mask = offs_dv < Dv
-
-    q_ptrs = Q + b64 * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
-    k_head = K + kvh.to(tl.int64) * stride_kh
-    v_head = V + kvh.to(tl.int64) * stride_vh
-
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if HAS_SINKS and NUM_SPLITS == 1:  # the sink starts the recurrence (merged later when split)
-        m_i = tl.load(Sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
-    else:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         col_ok = (cols >= seq_lo) & (cols < seq_hi)
         if PAGED:
-            page = tl.load(BlockTable + b64 * stride_tb + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+            page = tl.load(table_row + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
             slot = (cols % PAGE_SIZE).to(tl.int64)
             k_rows = page * stride_kb + slot * stride_ks
             v_rows = page * stride_vb + slot * stride_vs
@@ -175,16 +153,86 @@ def decode_split_kernel(
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
+    return acc, m_i, l_i
 
+
+@triton.jit
+def store_rows(acc, m_i, l_i, o_ptrs, lse_ptrs, row_valid, stride_od, Dv, BLOCK_DV: tl.constexpr):
+    """Writes acc / l (in the output's dtype) and the natural-log LSE (-inf where nothing was
+    seen) of BLOCK_M rows; o_ptrs is (BLOCK_M, 1) row pointers, lse_ptrs (BLOCK_M,)."""
+    offs_dv = tl.arange(0, BLOCK_DV)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    tl.store(o_ptrs + offs_dv[None, :] * stride_od, out.to(o_ptrs.dtype.element_ty),
+             mask=row_valid[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(lse_ptrs, lse, mask=row_valid)
+
+
+@triton.jit
+def decode_split_kernel(
+    Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tb,
+    stride_ob, stride_ot, stride_oh, stride_osplit, stride_od,
+    stride_lb, stride_lt, stride_lh, stride_lsplit,
+    scale, softcap, window_left, window_right, pos_shift,
+    T, G, Hkv, D, Dv, capacity,
+    CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SHARE_BLOCKS: tl.constexpr = 0,
+):
+    """One share of one sequence's keys for BLOCK_M query rows of one KV head (module docstring).
+
+    Out/Lse: with NUM_SPLITS == 1 the final (B, T, Hq, Dv) output and (B, T, Hq) LSE (any strides;
+    stride_osplit / stride_lsplit unused); otherwise fp32 partials (B, T, Hq, NUM_SPLITS, Dv) and
+    (B, T, Hq, NUM_SPLITS).
+    """
+    pid_split = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_bk = tl.program_id(2)
+    b = pid_bk // Hkv
+    kvh = pid_bk % Hkv
+    b64 = b.to(tl.int64)
+    length, start, seq_lo, seq_hi = sequence_range(
+        Lengths, Starts, b, T, capacity, window_left, window_right, pos_shift, CAUSAL, HAS_STARTS)
+
+    # This program's share of the key blocks that intersect [seq_lo, seq_hi).
+    blk0 = seq_lo // BLOCK_N
+    n_blk = tl.where(seq_hi > seq_lo, (seq_hi + BLOCK_N - 1) // BLOCK_N - blk0, 0)
+    per_split = (n_blk + NUM_SPLITS - 1) // NUM_SPLITS
+    if SHARE_BLOCKS > 0:
+        # Shares of a fixed size, the same for every sequence: a short sequence uses fewer
+        # programs (the rest exit at once) instead of giving each of its programs less work, so
+        # the programs still running at the end are as many as possible (ragged batches).
+        per_split = tl.maximum(per_split, SHARE_BLOCKS)
+    blk_lo = blk0 + pid_split * per_split
+    blk_hi = tl.minimum(blk_lo + per_split, blk0 + n_blk)
+
+    q, t, head, row_valid, row_lo, row_hi = query_rows(
+        Q + b64 * stride_qb, kvh, pid_m, length, start, stride_qt, stride_qh, stride_qd,
+        window_left, window_right, pos_shift, capacity, T, G, D, CAUSAL, BLOCK_M, BLOCK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:  # the sink starts the recurrence (merged later when split)
+        m_i = tl.load(Sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = attend_blocks(
+        q, acc, m_i, l_i, blk_lo, blk_hi, seq_lo, seq_hi, row_valid, row_lo, row_hi,
+        K + kvh.to(tl.int64) * stride_kh, V + kvh.to(tl.int64) * stride_vh, BlockTable + b64 * stride_tb, b64,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale, softcap, D, Dv,
+        PAGED, PAGE_SIZE, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_D, BLOCK_DV)
+
     split = pid_split.to(tl.int64)
-    o_ptrs = (Out + b64 * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_osplit
-              + offs_dv[None, :] * stride_od)
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None] & dv_mask[None, :])
-    tl.store(Lse + b64 * stride_lb + t * stride_lt + head * stride_lh + split * stride_lsplit, lse, mask=row_valid)
+    rows = b64 * stride_ob + t * stride_ot + head * stride_oh + split * stride_osplit
+    store_rows(acc, m_i, l_i, Out + rows[:, None], Lse + b64 * stride_lb + t * stride_lt + head * stride_lh
+               + split * stride_lsplit, row_valid, stride_od, Dv, BLOCK_DV)
 
 
 @triton.jit
