@@ -117,6 +117,23 @@ def test_stream_schedule(layout, groups, t, splits, window, softcap, sinks, prog
     _check(out, lse, q, k, v, window=window, softcap=softcap, sinks=sink_logits if sinks else None)
 
 
+@pytest.mark.parametrize("schedule", ["stream", "split"])
+def test_one_sequence_with_two_row_blocks(schedule):
+    """B = 1, one KV head shared by 20 query heads, 4 queries: 80 query rows in two row blocks
+    (two segments of the stream schedule that read the same keys), with sinks and a window."""
+    gen = torch.Generator().manual_seed(11)
+    lengths, starts = torch.tensor([61], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    q = torch.randn(1, 4, 20, D, generator=gen)
+    k, v = ragged_cache(gen, 1, 70, 1, D, lengths, starts)
+    sinks = torch.randn(20, generator=gen)
+    cfg = DecodeConfig(scale=D ** -0.5, window=(37, -1), tiles=(16, 4, 2), schedule=schedule, num_sms=3,
+                       stream_programs_per_sm=1, stream_min_share=1 if schedule == "stream" else None)
+    out, lse = decode_attention_triton(_j(q), _j(k), _j(v), _j(lengths), _j(starts), None, _j(sinks), cfg)
+    want, want_lse = oracle(q.transpose(1, 2), k, v, lengths, starts, window=37, sinks=sinks)
+    assert (_t(out).transpose(1, 2) - want).abs().max().item() < 2e-5
+    assert (_t(lse) - want_lse).abs().max().item() < 2e-5
+
+
 def test_stream_segments_and_plan():
     from jaxattn.jax_core.kernels.decode_jax_triton import segment_offsets, stream_plan
     # lengths 1, 40, 23, 0 from starts 0, 3, 9, 0 in 16-position blocks: 1, 3, 2 and 0 blocks per

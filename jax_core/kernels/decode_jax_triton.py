@@ -420,7 +420,7 @@ def _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg: DecodeConfig
         HAS_STARTS=starts is not None, PAGED=paged, PAGE_SIZE=max(page_size, 1), SOFTCAP=cfg.softcap is not None,
         FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4, ROW_BLOCKS=row_blocks,
         MIN_SHARE=min_share, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_SEG=min(1024, _next_pow2(segments)),
+        BLOCK_SEG=min(1024, max(16, _next_pow2(segments))),
     )
     out_shape = (b, t, hq, dv) if cfg.q_layout == "BTHD" else (b, hq, t, dv)
     return jt.triton_call(
