@@ -315,22 +315,14 @@ def decode_attention_triton(
 
     if cfg.cache_layout not in CACHE_LAYOUTS:
         raise ValueError(f"cache_layout={cfg.cache_layout!r}: expected one of {CACHE_LAYOUTS}.")
-    paged = cfg.cache_layout == "paged"
-    b, t, hq, d = q.shape if cfg.q_layout == "BTHD" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
-    dv = v.shape[-1]
-    hkv, capacity, page_size = cache_dims(k.shape, cfg.cache_layout, None if block_table is None else block_table.shape)
-    groups = hq // hkv
-    block_n, num_warps, num_stages = cfg.tiles or decode_tiles(d, dv, jnp.dtype(q.dtype).itemsize)
-    block_m = row_block(groups * t, d)
-    row_blocks = triton.cdiv(groups * t, block_m)
-    num_splits = cfg.num_splits or num_splits_for(
-        b * hkv * row_blocks, triton.cdiv(capacity, block_n), cfg.num_sms or _device_sms())
-    block_d, block_dv = max(16, _next_pow2(d)), max(16, _next_pow2(dv))
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}.")
+    plan = _plan(q, k, v, block_table, cfg)
     if cfg.schedule == "stream":
-        return _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg, (b, t, hq, d, dv, hkv, capacity),
-                            (block_m, block_n, block_d, block_dv, num_warps, num_stages), page_size)
+        return _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg, plan)
+    b, t, hq, dv = plan.b, plan.t, plan.hq, plan.dv
+    num_splits = cfg.num_splits or num_splits_for(
+        b * plan.hkv * plan.row_blocks, triton.cdiv(plan.capacity, plan.block_n), cfg.num_sms or _device_sms())
     final = num_splits == 1
     out_shape = (b, t, hq, dv) if cfg.q_layout == "BTHD" else (b, hq, t, dv)
     if final:
@@ -343,35 +335,21 @@ def decode_attention_triton(
         l_strides = tuple(_strides((b, t, hq, num_splits)))
         outs = (jax.ShapeDtypeStruct((b, t, hq, num_splits, dv), jnp.float32),
                 jax.ShapeDtypeStruct((b, t, hq, num_splits), jnp.float32))
-    sk = _cache_strides(k.shape, "BSHD" if paged else cfg.cache_layout)
-    sv = _cache_strides(v.shape, "BSHD" if paged else cfg.cache_layout)
-    window = tuple(cfg.window)
     out, lse = jt.triton_call(
-        q, k, v, lengths.astype(jnp.int32),
-        starts.astype(jnp.int32) if starts is not None else _placeholder(jnp.int32),
-        block_table.astype(jnp.int32) if paged else _placeholder(jnp.int32),
-        sinks.astype(jnp.float32) if sinks is not None else _placeholder(jnp.float32),
-        kernel=_split_entry, out_shape=outs, grid=(num_splits, row_blocks, b * hkv),
-        num_warps=num_warps, num_stages=num_stages,
-        **dict(zip(("sqb", "sqt", "sqh", "sqd"), _q_strides(q.shape, cfg.q_layout))),
-        **dict(zip(("skb", "sks", "skh", "skd"), sk)),
-        **dict(zip(("svb", "svs", "svh", "svd"), sv)),
-        stb=block_table.shape[1] if paged else 0,
+        *_cache_inputs(q, k, v, lengths, starts, block_table, plan), _float_or_placeholder(sinks),
+        kernel=_split_entry, out_shape=outs, grid=(num_splits, plan.row_blocks, b * plan.hkv),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **_common_meta(q, k, v, starts, block_table, cfg, plan),
         **dict(zip(("sob", "sot", "soh", "sosplit", "sod"), o_strides)),
         **dict(zip(("slb", "slt", "slh", "slsplit"), l_strides)),
-        scale=float(cfg.scale), softcap=float(cfg.softcap or 1.0), window_left=int(window[0]),
-        window_right=int(window[1]), pos_shift=int(cfg.pos_shift), T=t, G=groups, Hkv=hkv, D=d, Dv=dv,
-        capacity=capacity, CAUSAL=bool(cfg.causal), HAS_STARTS=starts is not None, PAGED=paged,
-        PAGE_SIZE=max(page_size, 1), HAS_SINKS=sinks is not None, SOFTCAP=cfg.softcap is not None,
-        FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4, NUM_SPLITS=num_splits,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        SHARE_BLOCKS=share_blocks(capacity, t, window, bool(cfg.causal), block_n, num_splits)
+        HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
+        SHARE_BLOCKS=share_blocks(plan.capacity, t, tuple(cfg.window), bool(cfg.causal), plan.block_n, num_splits)
         if cfg.fixed_shares and not final else 0,
     )
     if final:
         return out, lse
     return jt.triton_call(
-        out, lse, sinks.astype(jnp.float32) if sinks is not None else _placeholder(jnp.float32),
+        out, lse, _float_or_placeholder(sinks),
         kernel=_merge_entry,
         out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
         grid=(b * t * hq,), num_warps=1, num_stages=1,
@@ -380,57 +358,101 @@ def decode_attention_triton(
         **dict(zip(("sob", "sot", "soh", "sod"), _q_strides(out_shape, cfg.q_layout))),
         slb=hq * t, slt=1, slh=t,
         T=t, Hq=hq, Dv=dv, HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
-        BLOCK_SPLITS=max(2, _next_pow2(num_splits)), BLOCK_DV=block_dv,
+        BLOCK_SPLITS=max(2, _next_pow2(num_splits)), BLOCK_DV=plan.block_dv,
     )
 
 
-def _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg: DecodeConfig, dims, blocks, page_size):
-    """The stream schedule: `decode_stream_kernel` then `decode_stream_merge_kernel`."""
-    import jax_triton as jt
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Sizes and tiles of one launch (shape legend in the module docstring)."""
 
-    b, t, hq, d, dv, hkv, capacity = dims
-    block_m, block_n, block_d, block_dv, num_warps, num_stages = blocks
+    b: int
+    t: int
+    hq: int
+    d: int
+    dv: int
+    hkv: int
+    capacity: int
+    page_size: int
+    block_m: int
+    block_n: int
+    block_d: int
+    block_dv: int
+    row_blocks: int
+    num_warps: int
+    num_stages: int
+
+
+def _plan(q, k, v, block_table, cfg: DecodeConfig) -> _Plan:
+    b, t, hq, d = q.shape if cfg.q_layout == "BTHD" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    dv = v.shape[-1]
+    hkv, capacity, page_size = cache_dims(k.shape, cfg.cache_layout, None if block_table is None else block_table.shape)
+    block_n, num_warps, num_stages = cfg.tiles or decode_tiles(d, dv, jnp.dtype(q.dtype).itemsize)
+    block_m = row_block((hq // hkv) * t, d)
+    return _Plan(b=b, t=t, hq=hq, d=d, dv=dv, hkv=hkv, capacity=capacity, page_size=page_size, block_m=block_m,
+                 block_n=block_n, block_d=max(16, _next_pow2(d)), block_dv=max(16, _next_pow2(dv)),
+                 row_blocks=triton.cdiv((hq // hkv) * t, block_m), num_warps=num_warps, num_stages=num_stages)
+
+
+def _float_or_placeholder(x: Optional[jax.Array]) -> jax.Array:
+    return x.astype(jnp.float32) if x is not None else _placeholder(jnp.float32)
+
+
+def _cache_inputs(q, k, v, lengths, starts, block_table, plan: _Plan) -> tuple[jax.Array, ...]:
+    """Q, K, V, Lengths, Starts, BlockTable as both schedules' kernels take them."""
+    return (q, k, v, lengths.astype(jnp.int32),
+            starts.astype(jnp.int32) if starts is not None else _placeholder(jnp.int32),
+            block_table.astype(jnp.int32) if plan.page_size else _placeholder(jnp.int32))
+
+
+def _common_meta(q, k, v, starts, block_table, cfg: DecodeConfig, plan: _Plan) -> dict:
+    """The constexprs both schedules' attention kernels share: input strides, scalars, flags, tiles."""
     paged = cfg.cache_layout == "paged"
-    groups = hq // hkv
-    row_blocks = triton.cdiv(groups * t, block_m)
-    segments = b * hkv * row_blocks
     window = tuple(cfg.window)
-    programs = max(1, cfg.stream_programs_per_sm * (cfg.num_sms or _device_sms()))
-    max_blocks = share_blocks(capacity, t, window, bool(cfg.causal), block_n, 1)
-    min_share, max_parts = stream_plan(segments, max_blocks, programs, cfg.stream_min_share)
-    seg_cum = segment_offsets(lengths, starts, t, capacity, cfg, block_n, hkv * row_blocks)
-    part_shape = (b, t, hq, max_parts, dv)
-    sinks32 = sinks.astype(jnp.float32) if sinks is not None else _placeholder(jnp.float32)
-    out_part, lse_part = jt.triton_call(
-        q, k, v, lengths.astype(jnp.int32),
-        starts.astype(jnp.int32) if starts is not None else _placeholder(jnp.int32),
-        block_table.astype(jnp.int32) if paged else _placeholder(jnp.int32), seg_cum,
-        kernel=_stream_entry,
-        out_shape=(jax.ShapeDtypeStruct(part_shape, jnp.float32), jax.ShapeDtypeStruct(part_shape[:-1], jnp.float32)),
-        grid=(programs,), num_warps=num_warps, num_stages=num_stages,
+    return dict(
         **dict(zip(("sqb", "sqt", "sqh", "sqd"), _q_strides(q.shape, cfg.q_layout))),
         **dict(zip(("skb", "sks", "skh", "skd"), _cache_strides(k.shape, "BSHD" if paged else cfg.cache_layout))),
         **dict(zip(("svb", "svs", "svh", "svd"), _cache_strides(v.shape, "BSHD" if paged else cfg.cache_layout))),
         stb=block_table.shape[1] if paged else 0,
+        scale=float(cfg.scale), softcap=float(cfg.softcap or 1.0), window_left=int(window[0]),
+        window_right=int(window[1]), pos_shift=int(cfg.pos_shift), T=plan.t, G=plan.hq // plan.hkv, Hkv=plan.hkv,
+        D=plan.d, Dv=plan.dv, capacity=plan.capacity, CAUSAL=bool(cfg.causal), HAS_STARTS=starts is not None,
+        PAGED=paged, PAGE_SIZE=max(plan.page_size, 1), SOFTCAP=cfg.softcap is not None,
+        FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+    )
+
+def _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg: DecodeConfig, plan: _Plan):
+    """The stream schedule: `decode_stream_kernel` then `decode_stream_merge_kernel`."""
+    import jax_triton as jt
+
+    b, t, hq, dv = plan.b, plan.t, plan.hq, plan.dv
+    segments = b * plan.hkv * plan.row_blocks
+    programs = max(1, cfg.stream_programs_per_sm * (cfg.num_sms or _device_sms()))
+    max_blocks = share_blocks(plan.capacity, t, tuple(cfg.window), bool(cfg.causal), plan.block_n, 1)
+    min_share, max_parts = stream_plan(segments, max_blocks, programs, cfg.stream_min_share)
+    seg_cum = segment_offsets(lengths, starts, t, plan.capacity, cfg, plan.block_n, plan.hkv * plan.row_blocks)
+    part_shape = (b, t, hq, max_parts, dv)
+    out_part, lse_part = jt.triton_call(
+        *_cache_inputs(q, k, v, lengths, starts, block_table, plan), seg_cum,
+        kernel=_stream_entry,
+        out_shape=(jax.ShapeDtypeStruct(part_shape, jnp.float32), jax.ShapeDtypeStruct(part_shape[:-1], jnp.float32)),
+        grid=(programs,), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **_common_meta(q, k, v, starts, block_table, cfg, plan),
         **dict(zip(("sob", "sot", "soh", "sopart", "sod"), _strides(part_shape))),
         **dict(zip(("slb", "slt", "slh", "slpart"), _strides(part_shape[:-1]))),
-        scale=float(cfg.scale), softcap=float(cfg.softcap or 1.0), window_left=int(window[0]),
-        window_right=int(window[1]), pos_shift=int(cfg.pos_shift), T=t, G=groups, Hkv=hkv, D=d, Dv=dv,
-        capacity=capacity, num_segments=segments, num_programs=programs, CAUSAL=bool(cfg.causal),
-        HAS_STARTS=starts is not None, PAGED=paged, PAGE_SIZE=max(page_size, 1), SOFTCAP=cfg.softcap is not None,
-        FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4, ROW_BLOCKS=row_blocks,
-        MIN_SHARE=min_share, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        num_segments=segments, num_programs=programs, ROW_BLOCKS=plan.row_blocks, MIN_SHARE=min_share,
         BLOCK_SEG=min(1024, max(16, _next_pow2(segments))),
     )
     out_shape = (b, t, hq, dv) if cfg.q_layout == "BTHD" else (b, hq, t, dv)
     return jt.triton_call(
-        out_part, lse_part, seg_cum, sinks32, kernel=_stream_merge_entry,
+        out_part, lse_part, seg_cum, _float_or_placeholder(sinks), kernel=_stream_merge_entry,
         out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
         grid=(b * t * hq,), num_warps=1, num_stages=1,
         **dict(zip(("spb", "spt", "sph", "sppart", "spd"), _strides(part_shape))),
         **dict(zip(("sqb", "sqt", "sqh", "sqpart"), _strides(part_shape[:-1]))),
         **dict(zip(("sob", "sot", "soh", "sod"), _q_strides(out_shape, cfg.q_layout))),
-        slb=hq * t, slt=1, slh=t, T=t, G=groups, Hq=hq, Dv=dv, num_segments=segments, num_programs=programs,
-        HAS_SINKS=sinks is not None, MIN_SHARE=min_share, ROW_BLOCKS=row_blocks, BLOCK_M=block_m,
-        BLOCK_PARTS=min(16, max(2, _next_pow2(max_parts))), BLOCK_DV=block_dv,
+        slb=hq * t, slt=1, slh=t, T=t, G=hq // plan.hkv, Hq=hq, Dv=dv, num_segments=segments,
+        num_programs=programs, HAS_SINKS=sinks is not None, MIN_SHARE=min_share, ROW_BLOCKS=plan.row_blocks,
+        BLOCK_M=plan.block_m, BLOCK_PARTS=min(16, max(2, _next_pow2(max_parts))), BLOCK_DV=plan.block_dv,
     )
