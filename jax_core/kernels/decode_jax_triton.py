@@ -336,7 +336,7 @@ def decode_attention_triton(
         outs = (jax.ShapeDtypeStruct((b, t, hq, num_splits, dv), jnp.float32),
                 jax.ShapeDtypeStruct((b, t, hq, num_splits), jnp.float32))
     out, lse = jt.triton_call(
-        *_cache_inputs(q, k, v, lengths, starts, block_table, plan), _float_or_placeholder(sinks),
+        *_cache_inputs(q, k, v, lengths, starts, block_table, cfg), _float_or_placeholder(sinks),
         kernel=_split_entry, out_shape=outs, grid=(num_splits, plan.row_blocks, b * plan.hkv),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
         **_common_meta(q, k, v, starts, block_table, cfg, plan),
@@ -398,11 +398,11 @@ def _float_or_placeholder(x: Optional[jax.Array]) -> jax.Array:
     return x.astype(jnp.float32) if x is not None else _placeholder(jnp.float32)
 
 
-def _cache_inputs(q, k, v, lengths, starts, block_table, plan: _Plan) -> tuple[jax.Array, ...]:
+def _cache_inputs(q, k, v, lengths, starts, block_table, cfg: DecodeConfig) -> tuple[jax.Array, ...]:
     """Q, K, V, Lengths, Starts, BlockTable as both schedules' kernels take them."""
     return (q, k, v, lengths.astype(jnp.int32),
             starts.astype(jnp.int32) if starts is not None else _placeholder(jnp.int32),
-            block_table.astype(jnp.int32) if plan.page_size else _placeholder(jnp.int32))
+            block_table.astype(jnp.int32) if cfg.cache_layout == "paged" else _placeholder(jnp.int32))
 
 
 def _common_meta(q, k, v, starts, block_table, cfg: DecodeConfig, plan: _Plan) -> dict:
@@ -434,7 +434,7 @@ def _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg: DecodeConfig
     seg_cum = segment_offsets(lengths, starts, t, plan.capacity, cfg, plan.block_n, plan.hkv * plan.row_blocks)
     part_shape = (b, t, hq, max_parts, dv)
     out_part, lse_part = jt.triton_call(
-        *_cache_inputs(q, k, v, lengths, starts, block_table, plan), seg_cum,
+        *_cache_inputs(q, k, v, lengths, starts, block_table, cfg), seg_cum,
         kernel=_stream_entry,
         out_shape=(jax.ShapeDtypeStruct(part_shape, jnp.float32), jax.ShapeDtypeStruct(part_shape[:-1], jnp.float32)),
         grid=(programs,), num_warps=plan.num_warps, num_stages=plan.num_stages,
