@@ -10,43 +10,19 @@ Layout "BHTD" means (B, H, T, D) arrays, "BTHD" (B, T, H, D); the kernels read e
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import triton
-import triton.language as tl
 
-from .flash_bwd_triton import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel
-from .flash_common_triton import dropout_mask_kernel
-from .flash_fwd_triton import flash_fwd_kernel, fwd_block_sizes, head_block
+from . import flash_plan as plan
+from .flash_entries_triton import (delta_entry_static, dkdv_entry_static, dq_entry_static, dropout_mask_entry,
+                                   fwd_entry_static)
+from .flash_plan import FlashConfig, Operand
 
-
-@dataclasses.dataclass(frozen=True)
-class FlashConfig:
-    """Static settings of one flash call (hashable: part of the JAX trace)."""
-
-    scale: float
-    causal: bool = False
-    diag_offset: int = 0  # S - L for bottom-right alignment, else 0
-    window: tuple[int, int] = (-1, -1)  # (left, right); -1 = unbounded
-    softcap: Optional[float] = None
-    layout: str = "BHTD"
-    # Backward tiles, ((BLOCK_M, BLOCK_N, num_warps, num_stages) of dK/dV, same of dQ); None: defaults.
-    bwd_tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None
-    # Forward tile (BLOCK_M, BLOCK_N, num_warps, num_stages); None: `fwd_block_sizes` defaults.
-    fwd_tiles: Optional[tuple[int, int, int, int]] = None
-    dropout_p: float = 0.0  # needs `FlashExtras.seed`
-    # Varlen packing (needs `FlashExtras.cu_seqlens`): (max_seqlen_q, max_seqlen_k) grid bounds.
-    varlen: Optional[tuple[int, int]] = None
-    varlen_bottom_right: bool = False  # per-sequence bottom-right alignment (varlen only)
-    fast_tanh: bool = False  # hardware tanh for the soft cap (NVIDIA; 16-bit inputs only)
-    # Skip (query block, key block) tiles that the bool mask or a -inf bias masks entirely, from a
-    # block-visibility table built in JAX (`visibility_tiles`); not used with varlen.
-    skip_masked_blocks: bool = True
+__all__ = ["FlashConfig", "FlashExtras", "flash_attention_triton", "flash_block_forward", "flash_block_backward"]
 
 
 class FlashExtras(NamedTuple):
@@ -65,146 +41,32 @@ class FlashExtras(NamedTuple):
     seed: Optional[jax.Array] = None
 
 
-def bwd_tiles(d: int, dtype) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
-    """Default backward tiles for head dim `d`: (dK/dV kernel, dQ kernel), each
-    (BLOCK_M, BLOCK_N, num_warps, num_stages).
-
-    From `benchmarks/flash_bwd_tiles.py` on an H100 (bf16, causal, L=8192): 64x64 tiles with 4 warps
-    for both kernels at D=128 (393 TFLOP/s fwd+bwd, against 202 with 8 warps), 8 warps for dK/dV at
-    D=256 (246 TFLOP/s, against 114 with 32x32 tiles). fp32 keeps 4 warps and smaller tiles
-    (Triton 3.6 miscompiles some fp32 tiles with 8 warps on Hopper; shared memory is doubled).
-    """
-    if jnp.dtype(dtype) == jnp.float32:
-        block = 64 if d <= 64 else 32
-        return (block, block, 4, 2), (block, block, 4, 2)
-    return (64, 64, 4 if d <= 128 else 8, 2), (64, 64, 4, 2)
+def bwd_tiles(d: int, dtype) -> tuple[plan.Tile, plan.Tile]:
+    """Default backward tiles for head dim `d` and `dtype` (`flash_plan.bwd_tiles`)."""
+    return plan.bwd_tiles(d, jnp.dtype(dtype).itemsize)
 
 
-def _dims(x: jax.ShapeDtypeStruct | jax.Array, layout: str) -> tuple[int, int, int, int]:
-    """(B, H, T, D) sizes of an array in `layout`."""
-    b, a, c, d = x.shape
-    return (b, a, c, d) if layout == "BHTD" else (b, c, a, d)
+def _operand(x, layout: str) -> Operand:
+    """A contiguous array's sizes and strides in (B, H, T, D) order."""
+    return Operand(plan.to_bhtd(tuple(x.shape), layout), plan.to_bhtd(plan.contiguous_strides(x.shape), layout))
 
 
-def _strides(shape: tuple[int, ...], layout: str) -> tuple[int, int, int, int]:
-    """Element strides of a contiguous array, in (B, H, T, D) order; size-1 dims get stride 0."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step if n != 1 else 0)
-        step *= n
-    sb, s1, s2, sd = reversed(strides)
-    return (sb, s1, s2, sd) if layout == "BHTD" else (sb, s2, s1, sd)
+def _bhls(x) -> Optional[Operand]:
+    """A (B|1, H|1, L|1, S) bias or mask (size-1 dims broadcast with stride 0)."""
+    return None if x is None else _operand(x, "BHTD")
 
 
-def _bhls_strides(x: Optional[jax.Array]) -> tuple[int, int, int, int]:
-    """Strides of a (B|1, H|1, L|1, S) bias or mask (size-1 dims broadcast with stride 0)."""
-    if x is None:
-        return (0, 0, 0, 0)
-    return _strides(x.shape, "BHTD")
-
-
-# --- entry kernels: every scalar is a constexpr, outputs follow inputs (jax-triton's convention) ---
-
-
-@triton.jit
-def _fwd_entry(
-    Q, K, V, Bias, Mask, Sinks, SegQ, SegK, CuQ, CuK, Seed, Vis, Out, Lse,
-    sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
-    skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
-    svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
-    sbb: tl.constexpr, sbh: tl.constexpr, sbm: tl.constexpr, sbn: tl.constexpr,
-    smb: tl.constexpr, smh: tl.constexpr, smm: tl.constexpr, smn: tl.constexpr,
-    sob: tl.constexpr, soh: tl.constexpr, som: tl.constexpr, sod: tl.constexpr,
-    Hq: tl.constexpr, Hk: tl.constexpr, L: tl.constexpr, S: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
-    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
-    diag_offset: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SINKS: tl.constexpr,
-    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
-    VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
-    stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
-):
-    flash_fwd_kernel(
-        Q, K, V, Bias, Mask, Sinks, Out, Lse,
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-        sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
-        Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
-        CAUSAL, HAS_BIAS, HAS_MASK, HAS_SINKS, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-        SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
+def _call(q, k, v, bias, mask, sinks, extras: "FlashExtras", cfg: FlashConfig) -> plan.FlashCall:
+    if cfg.dropout_p > 0 and extras.seed is None:
+        raise ValueError(f"dropout_p={cfg.dropout_p}: FlashExtras.seed is required for dropout.")
+    if (cfg.varlen is not None) != (extras.cu_seqlens is not None):
+        raise ValueError("varlen: FlashConfig.varlen and FlashExtras.cu_seqlens go together.")
+    return plan.FlashCall(
+        q=_operand(q, cfg.layout), k=_operand(k, cfg.layout), v=_operand(v, cfg.layout),
+        bias=_bhls(bias), mask=_bhls(mask), dtype_bytes=jnp.dtype(q.dtype).itemsize,
+        has_sinks=sinks is not None, has_segments=extras.segment_ids is not None,
+        num_seqs=None if extras.cu_seqlens is None else extras.cu_seqlens[0].shape[0] - 1,
     )
-
-
-@triton.jit
-def _dkdv_entry(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, dK, dV,
-    sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
-    skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
-    svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
-    sbb: tl.constexpr, sbh: tl.constexpr, sbm: tl.constexpr, sbn: tl.constexpr,
-    smb: tl.constexpr, smh: tl.constexpr, smm: tl.constexpr, smn: tl.constexpr,
-    sdob: tl.constexpr, sdoh: tl.constexpr, sdom: tl.constexpr, sdod: tl.constexpr,
-    sdkb: tl.constexpr, sdkh: tl.constexpr, sdkn: tl.constexpr, sdkd: tl.constexpr,
-    sdvb: tl.constexpr, sdvh: tl.constexpr, sdvn: tl.constexpr, sdvd: tl.constexpr,
-    Hq: tl.constexpr, Hk: tl.constexpr, L: tl.constexpr, S: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
-    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
-    diag_offset: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
-    VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
-    stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
-):
-    flash_bwd_dkdv_kernel(
-        Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-        sbb, sbh, sbm, sbn, smb, smh, smm, smn, sdob, sdoh, sdom, sdod,
-        sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-        Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
-        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-        SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
-    )
-
-
-@triton.jit
-def _dq_entry(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, dQ, dS,
-    sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
-    skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
-    svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
-    sbb: tl.constexpr, sbh: tl.constexpr, sbm: tl.constexpr, sbn: tl.constexpr,
-    smb: tl.constexpr, smh: tl.constexpr, smm: tl.constexpr, smn: tl.constexpr,
-    sdob: tl.constexpr, sdoh: tl.constexpr, sdom: tl.constexpr, sdod: tl.constexpr,
-    sdqb: tl.constexpr, sdqh: tl.constexpr, sdqm: tl.constexpr, sdqd: tl.constexpr,
-    sdsb: tl.constexpr, sdsh: tl.constexpr, sdsm: tl.constexpr, sdsn: tl.constexpr,
-    Hq: tl.constexpr, Hk: tl.constexpr, L: tl.constexpr, S: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
-    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
-    diag_offset: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-    WRITE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
-    VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
-    stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
-):
-    flash_bwd_dq_kernel(
-        Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-        sbb, sbh, sbm, sbn, smb, smh, smm, smn, sdob, sdoh, sdom, sdod,
-        sdqb, sdqh, sdqm, sdqd, sdsb, sdsh, sdsm, sdsn,
-        Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
-        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-        SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
-    )
-
-
-@triton.jit
-def _dropout_mask_entry(Seed, Keep, BH: tl.constexpr, L: tl.constexpr, S: tl.constexpr, dropout_p: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    dropout_mask_kernel(Seed, Keep, BH, L, S, dropout_p, BLOCK_M, BLOCK_N)
 
 
 def dropout_keep_mask(seed: jax.Array, bh: int, l: int, s: int, dropout_p: float) -> jax.Array:
@@ -222,7 +84,7 @@ def dropout_keep_mask(seed: jax.Array, bh: int, l: int, s: int, dropout_p: float
     import jax_triton as jt
 
     keep = jt.triton_call(
-        seed.astype(jnp.int32), kernel=_dropout_mask_entry,
+        seed.astype(jnp.int32), kernel=dropout_mask_entry,
         out_shape=jax.ShapeDtypeStruct((bh, l, s), jnp.int8), grid=(triton.cdiv(l, 32), bh),
         BH=bh, L=l, S=s, dropout_p=float(dropout_p), BLOCK_M=32, BLOCK_N=64,
     )
@@ -264,18 +126,15 @@ def visibility_tiles(bias: Optional[jax.Array], mask: Optional[jax.Array],
     return vis
 
 
-def _skip_tiles(q, v, bias, mask, cfg: FlashConfig) -> Optional[tuple[tuple[int, int], jax.Array]]:
+def _skip_tiles(call: plan.FlashCall, bias, mask, cfg: FlashConfig) -> Optional[tuple[tuple[int, int], jax.Array]]:
     """(fine tile, its visibility table) when the kernels should skip masked tiles, else None.
 
     The fine tile divides the tiles of the forward and both backward kernels, so each kernel's
     table is one `_fold` of it away (`skip_table`).
     """
-    if not cfg.skip_masked_blocks or (bias is None and mask is None) or cfg.varlen is not None:
+    if not plan.uses_skip_table(call, cfg):
         return None
-    d, dv = _dims(q, cfg.layout)[3], _dims(v, cfg.layout)[3]
-    fwd = cfg.fwd_tiles or fwd_block_sizes(d, dv, jnp.dtype(q.dtype).itemsize)
-    kv, dq = cfg.bwd_tiles or bwd_tiles(d, q.dtype)
-    tile = (math.gcd(fwd[0], kv[0], dq[0]), math.gcd(fwd[1], kv[1], dq[1]))
+    tile = plan.skip_fine_tile(call, cfg)
     return tile, visibility_tiles(bias, mask, tile)
 
 
@@ -305,13 +164,12 @@ def skip_table(skip, block_m: int, block_n: int, l: int, s: int, along: str) -> 
     return jnp.concatenate([counts, order], axis=-1)
 
 
-def _skip_args(skip, block_m: int, block_n: int, l: int, s: int, along: str) -> tuple[jax.Array, dict]:
-    """The skip table input and its kernel arguments (a placeholder and BLOCK_SKIP=False without)."""
+def _skip_table_input(skip, block_m: int, block_n: int, l: int, s: int, along: str):
+    """(skip table or a placeholder, its strides or None) for a kernel with (block_m, block_n) tiles."""
     if skip is None:
-        return _placeholder(jnp.int32), dict(stb=0, sth=0, str_=0, BLOCK_SKIP=False)
+        return _placeholder(jnp.int32), None
     table = skip_table(skip, block_m, block_n, l, s, along)
-    strides = _strides(table.shape, "BHTD")
-    return table, dict(stb=strides[0], sth=strides[1], str_=strides[2], BLOCK_SKIP=True)
+    return table, plan.contiguous_strides(table.shape)
 
 
 def _placeholder(dtype=jnp.float32) -> jax.Array:
@@ -363,68 +221,27 @@ def _extra_inputs(extras: FlashExtras, seg_tables) -> tuple[jax.Array, ...]:
     return seg_q, seg_k, cu_q, cu_k, seed
 
 
-def _common(q, k, v, bias, mask, extras: FlashExtras, cfg: FlashConfig) -> dict:
-    b, hq, l, d = _dims(q, cfg.layout)
-    _, hk, s, _ = _dims(k, cfg.layout)
-    dv = _dims(v, cfg.layout)[3]
-    dropout = cfg.dropout_p > 0
-    if dropout and extras.seed is None:
-        raise ValueError(f"dropout_p={cfg.dropout_p}: FlashExtras.seed is required for dropout.")
-    if (cfg.varlen is not None) != (extras.cu_seqlens is not None):
-        raise ValueError("varlen: FlashConfig.varlen and FlashExtras.cu_seqlens go together.")
-    meta = dict(
-        zip(("sqb", "sqh", "sqm", "sqd"), _strides(q.shape, cfg.layout)),
-        **dict(zip(("skb", "skh", "skn", "skd"), _strides(k.shape, cfg.layout))),
-        **dict(zip(("svb", "svh", "svn", "svd"), _strides(v.shape, cfg.layout))),
-        **dict(zip(("sbb", "sbh", "sbm", "sbn"), _bhls_strides(bias))),
-        **dict(zip(("smb", "smh", "smm", "smn"), _bhls_strides(mask))),
-        Hq=hq, Hk=hk, L=l, S=s, D=d, Dv=dv, scale=float(cfg.scale),
-        softcap=float(cfg.softcap or 1.0), window_left=cfg.window[0], window_right=cfg.window[1],
-        diag_offset=cfg.diag_offset, CAUSAL=cfg.causal, HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
-        SOFTCAP=cfg.softcap is not None, BLOCK_D=head_block(d), BLOCK_DV=head_block(dv),
-        dropout_p=float(cfg.dropout_p), HAS_SEGMENTS=extras.segment_ids is not None,
-        VARLEN=cfg.varlen is not None, VARLEN_BOTTOM_RIGHT=bool(cfg.varlen_bottom_right), DROPOUT=dropout,
-        FAST_TANH=bool(cfg.fast_tanh) and jnp.dtype(q.dtype).itemsize < 4,
-    )
-    return meta
+def _launch(kernel, inputs, out_shape, launch: plan.Launch):
+    import jax_triton as jt
 
-
-def _grid_rows(meta: dict, extras: FlashExtras, cfg: FlashConfig, which: str) -> tuple[int, int]:
-    """(rows to cover along the sequence, number of (sequence, head) programs) for `which` in
-    ("q", "k"): the padded length and B normally; the max sequence length and N with varlen."""
-    heads = meta["Hq"] if which == "q" else meta["Hk"]
-    if cfg.varlen is None:
-        return (meta["L"] if which == "q" else meta["S"]), heads
-    n = extras.cu_seqlens[0].shape[0] - 1
-    bound = cfg.varlen[0] if which == "q" else cfg.varlen[1]
-    full = meta["L"] if which == "q" else meta["S"]
-    return min(int(bound), full), n * heads
+    return jt.triton_call(*inputs, kernel=kernel, out_shape=out_shape, grid=launch.grid,
+                          num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.args)
 
 
 def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, cfg: FlashConfig, out_dtype=None):
-    import jax_triton as jt
-
-    meta = _common(q, k, v, bias, mask, extras, cfg)
-    b, hq, l = q.shape[0], meta["Hq"], meta["L"]
-    block_m, block_n, num_warps, num_stages = cfg.fwd_tiles or fwd_block_sizes(
-        meta["D"], meta["Dv"], jnp.dtype(q.dtype).itemsize)
-    out_shape = (b, hq, l, meta["Dv"]) if cfg.layout == "BHTD" else (b, l, hq, meta["Dv"])
-    meta.update(zip(("sob", "soh", "som", "sod"), _strides(out_shape, cfg.layout)))
-    rows, programs = _grid_rows(meta, extras, cfg, "q")
-    if cfg.varlen is None:
-        programs *= b
-    vis, vis_args = _skip_args(skip, block_m, block_n, l, meta["S"], "k")
-    out, lse = jt.triton_call(
-        q, k, v,
-        bias if bias is not None else _placeholder(q.dtype),
-        mask if mask is not None else _placeholder(jnp.int8),
-        sinks if sinks is not None else _placeholder(),
-        *_extra_inputs(extras, seg_tables), vis,
-        kernel=_fwd_entry,
-        out_shape=(jax.ShapeDtypeStruct(out_shape, out_dtype or q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
-        grid=(triton.cdiv(rows, block_m), programs),
-        num_warps=num_warps, num_stages=num_stages,
-        HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, **meta, **vis_args,
+    call = _call(q, k, v, bias, mask, sinks, extras, cfg)
+    b, hq, l, dv = call.q.dims[0], call.q.dims[1], call.q.dims[2], call.v.dims[3]
+    block_m, block_n, _, _ = plan.forward_tile(call, cfg)
+    out_shape = (b, hq, l, dv) if cfg.layout == "BHTD" else (b, l, hq, dv)
+    vis, vis_strides = _skip_table_input(skip, block_m, block_n, l, call.k.dims[2], "k")
+    launch = plan.forward_launch(call, cfg, plan.to_bhtd(plan.contiguous_strides(out_shape), cfg.layout), vis_strides)
+    out, lse = _launch(
+        fwd_entry_static,
+        (q, k, v, bias if bias is not None else _placeholder(q.dtype),
+         mask if mask is not None else _placeholder(jnp.int8), sinks if sinks is not None else _placeholder(),
+         *_extra_inputs(extras, seg_tables), vis),
+        (jax.ShapeDtypeStruct(out_shape, out_dtype or q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
+        launch,
     )
     if cfg.varlen is not None:  # rows after the last sequence belong to no program
         valid = jnp.arange(l) < extras.cu_seqlens[0][-1]
@@ -433,46 +250,39 @@ def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, 
     return out, lse
 
 
+def _delta(out, dout, layout: str) -> jax.Array:
+    """rowsum(dOut * Out) in fp32, (B, Hq, L) contiguous, by the same kernel the torch launcher runs."""
+    o = _operand(out, layout)
+    launch = plan.delta_launch(o, _operand(dout, layout).strides)
+    b, hq, l, _ = o.dims
+    return _launch(delta_entry_static, (out, dout), jax.ShapeDtypeStruct((b, hq, l), jnp.float32), launch)
+
+
 def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_tables, skip, cfg: FlashConfig,
               write_ds: bool, grad_dtype=None):
-    import jax_triton as jt
-
-    meta = _common(q, k, v, bias, mask, extras, cfg)
-    b = q.shape[0]
-    hq, hk, l, s = meta["Hq"], meta["Hk"], meta["L"], meta["S"]
-    (kv_m, kv_n, kv_warps, kv_stages), (q_m, q_n, q_warps, q_stages) = cfg.bwd_tiles or bwd_tiles(meta["D"], q.dtype)
-    do_strides = dict(zip(("sdob", "sdoh", "sdom", "sdod"), _strides(dout.shape, cfg.layout)))
+    call = _call(q, k, v, bias, mask, None, extras, cfg)
+    b, hq, l, _ = call.q.dims
+    s = call.k.dims[2]
+    (kv_m, kv_n, _, _), (q_m, q_n, _, _) = plan.backward_tiles(call, cfg)
+    do_strides = _operand(dout, cfg.layout).strides
     placeholders = (
         bias if bias is not None else _placeholder(q.dtype),
         mask if mask is not None else _placeholder(jnp.int8),
     )
     extra_inputs = _extra_inputs(extras, seg_tables)
-    k_rows, k_programs = _grid_rows(meta, extras, cfg, "k")
-    q_rows, q_programs = _grid_rows(meta, extras, cfg, "q")
-    if cfg.varlen is None:
-        k_programs, q_programs = k_programs * b, q_programs * b
-    kv_vis, kv_vis_args = _skip_args(skip, kv_m, kv_n, l, s, "q")
-    dk, dv = jt.triton_call(
-        q, k, v, *placeholders, dout, lse, delta, *extra_inputs, kv_vis,
-        kernel=_dkdv_entry,
-        out_shape=(jax.ShapeDtypeStruct(k.shape, grad_dtype or k.dtype), jax.ShapeDtypeStruct(v.shape, grad_dtype or v.dtype)),
-        grid=(triton.cdiv(k_rows, kv_n), k_programs),
-        num_warps=kv_warps, num_stages=kv_stages,
-        BLOCK_M=kv_m, BLOCK_N=kv_n, **meta, **do_strides, **kv_vis_args,
-        **dict(zip(("sdkb", "sdkh", "sdkn", "sdkd"), _strides(k.shape, cfg.layout))),
-        **dict(zip(("sdvb", "sdvh", "sdvn", "sdvd"), _strides(v.shape, cfg.layout))),
+    kv_vis, kv_vis_strides = _skip_table_input(skip, kv_m, kv_n, l, s, "q")
+    dk, dv = _launch(
+        dkdv_entry_static, (q, k, v, *placeholders, dout, lse, delta, *extra_inputs, kv_vis),
+        (jax.ShapeDtypeStruct(k.shape, grad_dtype or k.dtype), jax.ShapeDtypeStruct(v.shape, grad_dtype or v.dtype)),
+        plan.dkdv_launch(call, cfg, do_strides, call.k.strides, call.v.strides, kv_vis_strides),
     )
     ds_shape = (b, hq, l, s) if write_ds else (1,)
-    q_vis, q_vis_args = _skip_args(skip, q_m, q_n, l, s, "k")
-    dq, ds = jt.triton_call(
-        q, k, v, *placeholders, dout, lse, delta, *extra_inputs, q_vis,
-        kernel=_dq_entry,
-        out_shape=(jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
-        grid=(triton.cdiv(q_rows, q_m), q_programs),
-        num_warps=q_warps, num_stages=q_stages,
-        WRITE_DS=write_ds, BLOCK_M=q_m, BLOCK_N=q_n, **meta, **do_strides, **q_vis_args,
-        **dict(zip(("sdqb", "sdqh", "sdqm", "sdqd"), _strides(q.shape, cfg.layout))),
-        **dict(zip(("sdsb", "sdsh", "sdsm", "sdsn"), _strides((b, hq, l, s), "BHTD") if write_ds else (0, 0, 0, 0))),
+    q_vis, q_vis_strides = _skip_table_input(skip, q_m, q_n, l, s, "k")
+    dq, ds = _launch(
+        dq_entry_static, (q, k, v, *placeholders, dout, lse, delta, *extra_inputs, q_vis),
+        (jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
+        plan.dq_launch(call, cfg, do_strides, call.q.strides,
+                       plan.contiguous_strides(ds_shape) if write_ds else None, q_vis_strides),
     )
     if cfg.varlen is not None:  # rows / keys after the last sequence belong to no program
         cu_q, cu_k = extras.cu_seqlens
@@ -515,13 +325,13 @@ def flash_attention_triton(q, k, v, bias, mask, sinks, extras: FlashExtras, cfg:
     Returns:
         out in q's layout and dtype, lse (B, Hq, L) float32 (-inf on rows that see nothing).
     """
-    skip = _skip_tiles(q, v, bias, mask, cfg)
+    skip = _skip_tiles(_call(q, k, v, bias, mask, sinks, extras, cfg), bias, mask, cfg)
     return _forward(q, k, v, bias, mask, sinks, extras, _seg_tables(extras), skip, cfg)
 
 
 def _vjp_fwd(q, k, v, bias, mask, sinks, extras, cfg):
     seg_tables = _seg_tables(extras)
-    skip = _skip_tiles(q, v, bias, mask, cfg)
+    skip = _skip_tiles(_call(q, k, v, bias, mask, sinks, extras, cfg), bias, mask, cfg)
     out, lse = _forward(q, k, v, bias, mask, sinks, extras, seg_tables, skip, cfg)
     return (out, lse), (q, k, v, bias, mask, sinks, extras, seg_tables, skip, out, lse)
 
@@ -530,10 +340,7 @@ def _vjp_bwd(cfg, residuals, cotangents):
     q, k, v, bias, mask, sinks, extras, seg_tables, skip, out, lse = residuals
     dout, dlse = cotangents
     # Delta = rowsum(dO * O) in fp32, minus the LSE cotangent (d lse / d logit = P).
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    if cfg.layout == "BTHD":
-        delta = jnp.swapaxes(delta, 1, 2)
-    delta = delta - dlse
+    delta = _delta(out, dout, cfg.layout) - dlse
     dq, dk, dv, ds = _backward(q, k, v, bias, mask, dout, lse, delta, extras, seg_tables, skip, cfg,
                                write_ds=bias is not None)
     dbias = None if bias is None else _reduce_to(ds, bias.shape).astype(bias.dtype)

@@ -1,0 +1,232 @@
+"""Launch plans of the flash kernels, shared by both launchers (jax-triton and torch).
+
+A plan turns a call's sizes, strides and settings into everything a launch needs except the
+buffers: the grid, warps and stages, and every scalar argument of the entry kernel by name. It is
+plain Python over ints (no arrays), so the JAX launcher (`flash_jax_triton`, all scalars as
+constexprs) and the torch launcher (`flash_dynamic_triton` entries, sizes and strides as runtime
+arguments) launch the same kernels with the same tiles and the same values.
+
+Shape legend: B batch, Hq / Hk query / KV heads, L query length, S key length, D / Dv head dims.
+Every operand is described in (B, H, T, D) order ("BHTD") whatever its memory layout: `Operand`
+holds its sizes and element strides in that order, stride 0 on broadcast (size-1) dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Optional
+
+from .flash_fwd_triton import fwd_block_sizes, head_block
+
+Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Static settings of one flash call (hashable: part of a JAX trace or a torch plan key)."""
+
+    scale: float
+    causal: bool = False
+    diag_offset: int = 0  # S - L for bottom-right alignment, else 0
+    window: tuple[int, int] = (-1, -1)  # (left, right); -1 = unbounded
+    softcap: Optional[float] = None
+    layout: str = "BHTD"
+    # Backward tiles, ((BLOCK_M, BLOCK_N, num_warps, num_stages) of dK/dV, same of dQ); None: defaults.
+    bwd_tiles: Optional[tuple[Tile, Tile]] = None
+    # Forward tile (BLOCK_M, BLOCK_N, num_warps, num_stages); None: `fwd_block_sizes` defaults.
+    fwd_tiles: Optional[Tile] = None
+    dropout_p: float = 0.0  # needs a dropout seed
+    # Varlen packing (needs cumulative sequence lengths): (max_seqlen_q, max_seqlen_k) grid bounds.
+    varlen: Optional[tuple[int, int]] = None
+    varlen_bottom_right: bool = False  # per-sequence bottom-right alignment (varlen only)
+    fast_tanh: bool = False  # hardware tanh for the soft cap (NVIDIA; 16-bit inputs only)
+    # Skip (query block, key block) tiles that the bool mask or a -inf bias masks entirely, from a
+    # block-visibility table; not used with varlen.
+    skip_masked_blocks: bool = True
+
+
+class Operand(NamedTuple):
+    """Sizes and element strides of one tensor in (B, H, T, D) order (stride 0 on size-1 dims)."""
+
+    dims: tuple[int, int, int, int]
+    strides: tuple[int, int, int, int]
+
+
+class Launch(NamedTuple):
+    """One kernel launch without its buffers: grid, warps, stages and the scalar arguments by name."""
+
+    grid: tuple[int, int]
+    num_warps: int
+    num_stages: int
+    args: dict
+
+
+class FlashCall(NamedTuple):
+    """A flash call's operands, as the plans see them.
+
+    Attributes:
+        q, k, v: `Operand`s (B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, Dv); with varlen B = 1.
+        bias, mask: `Operand`s of the (B|1, Hq|1, L|1, S) bias / int8 mask, or None.
+        dtype_bytes: bytes per element of q/k/v (tile choice).
+        has_sinks, has_segments: sink logits / segment tables are passed.
+        num_seqs: packed sequences with varlen (len(cu_seqlens) - 1), else None.
+    """
+
+    q: Operand
+    k: Operand
+    v: Operand
+    bias: Optional[Operand]
+    mask: Optional[Operand]
+    dtype_bytes: int
+    has_sinks: bool = False
+    has_segments: bool = False
+    num_seqs: Optional[int] = None
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a contiguous (row-major) array; size-1 dims get stride 0 (they broadcast)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step if n != 1 else 0)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def to_bhtd(values: tuple[int, int, int, int], layout: str) -> tuple[int, int, int, int]:
+    """Sizes or strides of a 4-D array in `layout` ("BHTD" or "BTHD"), reordered to (B, H, T, D)."""
+    a, b, c, d = values
+    return (a, b, c, d) if layout == "BHTD" else (a, c, b, d)
+
+
+def bwd_tiles(d: int, dtype_bytes: int) -> tuple[Tile, Tile]:
+    """Default backward tiles for head dim `d`: (dK/dV kernel, dQ kernel).
+
+    From `benchmarks/flash_bwd_tiles.py` on an H100 (bf16, causal, L=8192): 64x64 tiles with 4 warps
+    for both kernels at D=128 (393 TFLOP/s fwd+bwd, against 202 with 8 warps), 8 warps for dK/dV at
+    D=256 (246 TFLOP/s, against 114 with 32x32 tiles). fp32 keeps 4 warps and smaller tiles
+    (Triton 3.6 miscompiles some fp32 tiles with 8 warps on Hopper; shared memory is doubled).
+    """
+    if dtype_bytes >= 4:
+        block = 64 if d <= 64 else 32
+        return (block, block, 4, 2), (block, block, 4, 2)
+    return (64, 64, 4 if d <= 128 else 8, 2), (64, 64, 4, 2)
+
+
+def forward_tile(call: FlashCall, cfg: FlashConfig) -> Tile:
+    return cfg.fwd_tiles or fwd_block_sizes(call.q.dims[3], call.v.dims[3], call.dtype_bytes)
+
+
+def backward_tiles(call: FlashCall, cfg: FlashConfig) -> tuple[Tile, Tile]:
+    return cfg.bwd_tiles or bwd_tiles(call.q.dims[3], call.dtype_bytes)
+
+
+def uses_skip_table(call: FlashCall, cfg: FlashConfig) -> bool:
+    """Whether the kernels skip tiles masked entirely by the bool mask or a -inf bias."""
+    return cfg.skip_masked_blocks and (call.bias is not None or call.mask is not None) and cfg.varlen is None
+
+
+def skip_fine_tile(call: FlashCall, cfg: FlashConfig) -> tuple[int, int]:
+    """A tile dividing the tiles of the forward and both backward kernels."""
+    fwd = forward_tile(call, cfg)
+    kv, dq = backward_tiles(call, cfg)
+    return math.gcd(fwd[0], kv[0], dq[0]), math.gcd(fwd[1], kv[1], dq[1])
+
+
+def _named(prefix: tuple[str, str, str, str], values) -> dict:
+    return dict(zip(prefix, values))
+
+
+_ZERO4 = (0, 0, 0, 0)
+
+
+def common_args(call: FlashCall, cfg: FlashConfig) -> dict:
+    """Scalar arguments shared by the forward, dK/dV and dQ entry kernels."""
+    b, hq, l, d = call.q.dims
+    hk, s = call.k.dims[1], call.k.dims[2]
+    dv = call.v.dims[3]
+    dropout = cfg.dropout_p > 0
+    return dict(
+        **_named(("sqb", "sqh", "sqm", "sqd"), call.q.strides),
+        **_named(("skb", "skh", "skn", "skd"), call.k.strides),
+        **_named(("svb", "svh", "svn", "svd"), call.v.strides),
+        **_named(("sbb", "sbh", "sbm", "sbn"), call.bias.strides if call.bias is not None else _ZERO4),
+        **_named(("smb", "smh", "smm", "smn"), call.mask.strides if call.mask is not None else _ZERO4),
+        Hq=hq, Hk=hk, L=l, S=s, D=d, Dv=dv, scale=float(cfg.scale),
+        softcap=float(cfg.softcap or 1.0), window_left=int(cfg.window[0]), window_right=int(cfg.window[1]),
+        diag_offset=int(cfg.diag_offset), CAUSAL=bool(cfg.causal), HAS_BIAS=call.bias is not None,
+        HAS_MASK=call.mask is not None, SOFTCAP=cfg.softcap is not None, BLOCK_D=head_block(d),
+        BLOCK_DV=head_block(dv), dropout_p=float(cfg.dropout_p), HAS_SEGMENTS=bool(call.has_segments),
+        VARLEN=cfg.varlen is not None, VARLEN_BOTTOM_RIGHT=bool(cfg.varlen_bottom_right), DROPOUT=dropout,
+        FAST_TANH=bool(cfg.fast_tanh) and call.dtype_bytes < 4,
+    )
+
+
+def _skip_args(skip_strides: Optional[tuple[int, ...]]) -> dict:
+    if skip_strides is None:
+        return dict(stb=0, sth=0, str_=0, BLOCK_SKIP=False)
+    return dict(stb=skip_strides[0], sth=skip_strides[1], str_=skip_strides[2], BLOCK_SKIP=True)
+
+
+def _programs(call: FlashCall, cfg: FlashConfig, which: str) -> tuple[int, int]:
+    """(rows to cover along the sequence, number of (sequence, head) programs) for `which` in
+    ("q", "k"): the padded length and B * heads normally; the max sequence length and N * heads
+    with varlen."""
+    b, hq, l, _ = call.q.dims
+    hk, s = call.k.dims[1], call.k.dims[2]
+    heads, full = (hq, l) if which == "q" else (hk, s)
+    if cfg.varlen is None:
+        return full, b * heads
+    bound = cfg.varlen[0] if which == "q" else cfg.varlen[1]
+    return min(int(bound), full), int(call.num_seqs) * heads
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def forward_launch(call: FlashCall, cfg: FlashConfig, out_strides: tuple[int, ...],
+                   skip_strides: Optional[tuple[int, ...]] = None) -> Launch:
+    """The forward kernel's launch; `out_strides` of Out in (B, H, T, Dv) order."""
+    block_m, block_n, warps, stages = forward_tile(call, cfg)
+    rows, programs = _programs(call, cfg, "q")
+    args = dict(common_args(call, cfg), **_named(("sob", "soh", "som", "sod"), out_strides),
+                HAS_SINKS=bool(call.has_sinks), BLOCK_M=block_m, BLOCK_N=block_n, **_skip_args(skip_strides))
+    return Launch((_cdiv(rows, block_m), programs), warps, stages, args)
+
+
+def dkdv_launch(call: FlashCall, cfg: FlashConfig, do_strides, dk_strides, dv_strides,
+                skip_strides: Optional[tuple[int, ...]] = None) -> Launch:
+    """The dK/dV kernel's launch (strides in (B, H, T, D) order)."""
+    (block_m, block_n, warps, stages), _ = backward_tiles(call, cfg)
+    rows, programs = _programs(call, cfg, "k")
+    args = dict(common_args(call, cfg), **_named(("sdob", "sdoh", "sdom", "sdod"), do_strides),
+                **_named(("sdkb", "sdkh", "sdkn", "sdkd"), dk_strides),
+                **_named(("sdvb", "sdvh", "sdvn", "sdvd"), dv_strides),
+                BLOCK_M=block_m, BLOCK_N=block_n, **_skip_args(skip_strides))
+    return Launch((_cdiv(rows, block_n), programs), warps, stages, args)
+
+
+def dq_launch(call: FlashCall, cfg: FlashConfig, do_strides, dq_strides, ds_strides: Optional[tuple[int, ...]],
+              skip_strides: Optional[tuple[int, ...]] = None) -> Launch:
+    """The dQ kernel's launch; `ds_strides` of the (B, Hq, L, S) bias gradient, None when not written."""
+    _, (block_m, block_n, warps, stages) = backward_tiles(call, cfg)
+    rows, programs = _programs(call, cfg, "q")
+    args = dict(common_args(call, cfg), **_named(("sdob", "sdoh", "sdom", "sdod"), do_strides),
+                **_named(("sdqb", "sdqh", "sdqm", "sdqd"), dq_strides),
+                **_named(("sdsb", "sdsh", "sdsm", "sdsn"), ds_strides if ds_strides is not None else _ZERO4),
+                WRITE_DS=ds_strides is not None, BLOCK_M=block_m, BLOCK_N=block_n, **_skip_args(skip_strides))
+    return Launch((_cdiv(rows, block_m), programs), warps, stages, args)
+
+
+#: Rows per program of the Delta = rowsum(dOut * Out) kernel.
+DELTA_BLOCK_M = 64
+
+
+def delta_launch(out: Operand, do_strides: tuple[int, ...]) -> Launch:
+    """The Delta kernel's launch over Out (B, Hq, L, Dv); Delta is (B, Hq, L) float32 contiguous."""
+    b, hq, l, dv = out.dims
+    args = dict(**_named(("sob", "soh", "som", "sod"), out.strides),
+                **_named(("sdob", "sdoh", "sdom", "sdod"), do_strides),
+                Hq=hq, L=l, Dv=dv, BLOCK_M=DELTA_BLOCK_M, BLOCK_DV=head_block(dv))
+    return Launch((_cdiv(l, DELTA_BLOCK_M), b * hq), 4, 1, args)
