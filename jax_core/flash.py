@@ -17,6 +17,7 @@ CPU: no flash kernel; forcing `flash` raises with the reasons, automatic selecti
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Optional
 
@@ -68,9 +69,7 @@ class FlashAttn(AttentionImpl):
             for module, extra in (("triton", "triton"), ("jax_triton", "jax-triton")):
                 if not _has_module(module):
                     reasons.append(f"{extra} is not installed (pip install 'jaxattn[gpu]')")
-            if "varlen" in inputs.features:
-                for feature in sorted(inputs.features & {"bias", "bool_mask", "segment_ids"}):
-                    reasons.append(f"feature {feature!r} cannot be combined with varlen packing on GPU")
+            reasons += cls.triton_kernel_reasons(inputs)
         if inputs.platform == "tpu":
             for feature in sorted(inputs.features - _TPU_FEATURES):
                 reasons.append(f"feature {feature!r} not supported by the TPU kernel")
@@ -81,6 +80,18 @@ class FlashAttn(AttentionImpl):
         if metadata.mesh is not None:
             reasons.append("flash does not run under a mesh yet (use 'sdpa' or 'vanilla')")
         return reasons
+
+    @classmethod
+    def triton_kernel_reasons(cls, inputs: AttentionInputs) -> list[str]:
+        """Why the Triton kernels cannot run `inputs` (described as a GPU call), whoever launches them."""
+        gpu = dataclasses.replace(inputs, platform="gpu", backend="cuda")
+        reasons = cls.capabilities.reasons(gpu)
+        for feature in sorted(inputs.features - _GPU_FEATURES):
+            reasons.append(f"feature {feature!r} not supported by the Triton kernels")
+        if "varlen" in inputs.features:
+            for feature in sorted(inputs.features & {"bias", "bool_mask", "segment_ids"}):
+                reasons.append(f"feature {feature!r} cannot be combined with varlen packing on GPU")
+        return list(dict.fromkeys(reasons))
 
     def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
                        logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",

@@ -33,6 +33,9 @@ from ..bridge.call_plan import NotPlain, arg_key, static_key
 from ..bridge.dlpack import narrow_broadcast
 from ..jax_core import AttentionMetadata, attention
 from .bucketing import bucket_length, current_sequence_buckets
+from .launch import current_launcher, describe, use_native
+from .native_flash import flash_forward
+from ..jax_core.kernels.flash_plan import FlashConfig
 from .selection import current_implementation, normalize_choice
 from .validation import check_finite, check_mask_shape, check_options, check_qkv, finite_check_applies
 
@@ -99,7 +102,7 @@ def scaled_dot_product_attention(
                 arg_key(query), arg_key(key), arg_key(value), arg_key(attn_mask), static_key(dropout_p),
                 static_key(is_causal), static_key(scale), static_key(enable_gqa),
                 static_key(tuple(implementation) if type(implementation) is list else implementation),
-                current_implementation(), current_sequence_buckets(), torch.is_grad_enabled(),
+                current_implementation(), current_sequence_buckets(), torch.is_grad_enabled(), current_launcher(),
             )
             plan = _plans.get(sig)
         except (NotPlain, AttributeError, TypeError):  # unusual arguments: the plain path checks them
@@ -135,6 +138,8 @@ class _Plan:
         check_options(attn_mask, dropout_p, is_causal, scale, query)
         choice = normalize_choice(implementation) if implementation is not None else current_implementation()
         self._setup(query, key, value, attn_mask, dropout_p, is_causal, scale, choice, current_sequence_buckets())
+        if self.native is not None:
+            return
         q4, k4, v4, mask4, seed = self._operands(query, key, value, attn_mask, draw_seed=False)
         self.call = _sdpa_jax.plan(q4, k4, v4, mask4, seed, **self.static)
 
@@ -155,6 +160,9 @@ class _Plan:
             check_mask_shape(attn_mask, (*batch, hq, seq_q, seq_k))
         self.lead, self.flat = tuple(batch), math.prod(batch)
         self.hq, self.hk, self.e, self.ev = hq, hk, e, ev
+        self.native = self._native_config(query, (hk, seq_k), attn_mask, dropout_p, is_causal, scale, choice)
+        if self.native is not None:
+            buckets = None  # the native launch compiles once for every length: nothing to bucket
         self.seq_q, self.seq_k = seq_q, seq_k
         self.pad_q = self.pad_k = 0
         self.key_mask: Optional[torch.Tensor] = None
@@ -178,11 +186,29 @@ class _Plan:
         )
         self.dropout = dropout_p > 0
 
+    def _native_config(self, query, kv, attn_mask, dropout_p, is_causal, scale, choice) -> Optional[FlashConfig]:
+        """The flash kernels' settings when the native launcher runs this call, else None."""
+        features = {"causal"} if is_causal else set()
+        if attn_mask is not None:
+            features.add("bool_mask" if attn_mask.dtype == torch.bool else "bias")
+        if dropout_p > 0:
+            features.add("dropout")
+        inputs = describe((self.flat, self.hq, query.shape[-2], self.e), (self.flat, *kv), self.ev, query.dtype,
+                          features)
+        if not use_native(inputs, query.device, choice, current_launcher()):
+            return None
+        return FlashConfig(scale=float(scale) if scale is not None else 1.0 / math.sqrt(self.e), causal=bool(is_causal),
+                           dropout_p=float(dropout_p))
+
     # -- per call -----------------------------------------------------------------------------------
 
     def __call__(self, query, key, value, attn_mask, plan_ops: bool = True):
         q4, k4, v4, mask4, seed = self._operands(query, key, value, attn_mask)
-        if plan_ops:
+        if self.native is not None:
+            is_bool = mask4 is not None and mask4.dtype == torch.bool
+            out, _ = flash_forward(q4, k4, v4, self.native, bias=None if is_bool else mask4,
+                                   mask=mask4 if is_bool else None, seed=seed)
+        elif plan_ops:
             out = self.call(q4, k4, v4, mask4, seed)
         else:
             out = _sdpa_jax(q4, k4, v4, mask4, seed, **self.static)

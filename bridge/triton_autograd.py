@@ -1,0 +1,153 @@
+"""A differentiable torch op whose forward and backward launch Triton kernels.
+
+    >>> op = TritonOp("mylib::scaled_relu", forward, backward, num_outputs=1, spec_type=MySpec)
+    >>> y, = op(spec, x, w)       # torch tensors in and out; y.backward() runs `backward`
+
+`forward(spec, *inputs) -> outputs` returns the op's outputs followed by residuals the backward
+needs (tensors, not differentiable); `backward(spec, inputs, outputs, grads, needs) -> grads` gets
+the saved inputs and outputs, the gradients of the first `num_outputs` outputs (None where unused)
+and which inputs need a gradient, and returns one gradient per input that needs one, in order.
+Both launch kernels through `KernelLaunch`. `spec` is a frozen dataclass of plain values (ints,
+floats, bools, strings, None, tuples, nested such dataclasses): everything static about the call.
+
+Two routes, the same kernels:
+* Eager: a `torch.autograd.Function` calling `forward` / `backward` directly: the shortest host path.
+* Under `torch.compile` (and functorch transforms, dispatch modes): two `torch.library.triton_op`s,
+  `<name>` and `<name>_backward`, with the spec as a JSON string, whose bodies launch through
+  `wrap_triton` (so Inductor sees the kernels and CUDA graphs capture them); fake tensors come from
+  running the same bodies on fake inputs (the launches do nothing there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from .triton_launch import wrapped_launches
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {"__type__": type(value).__name__,
+                **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_plain(v) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"spec field value {value!r}: expected a plain value, a tuple or a dataclass.")
+
+
+class SpecCodec:
+    """Frozen dataclasses of plain values <-> JSON strings (a triton_op takes strings, not objects)."""
+
+    def __init__(self, types: Sequence[type]):
+        self.types = {t.__name__: t for t in types}
+        self.decode = functools.lru_cache(maxsize=1024)(self._decode)
+
+    def encode(self, spec: Any) -> str:
+        return json.dumps(_plain(spec), sort_keys=True)
+
+    def _decode(self, text: str) -> Any:
+        return self._build(json.loads(text))
+
+    def _build(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            if "__tuple__" in value:
+                return tuple(self._build(v) for v in value["__tuple__"])
+            fields = {k: self._build(v) for k, v in value.items() if k != "__type__"}
+            return self.types[value["__type__"]](**fields)
+        return value
+
+
+class TritonOp:
+    """See the module docstring.
+
+    Args:
+        name: "namespace::name" of the two torch.library ops.
+        forward: (spec, *inputs) -> tuple of tensors (outputs, then residuals).
+        backward: (spec, inputs, outputs, grads, needs) -> list of tensors (one per needed input).
+        num_outputs: how many leading tensors of `forward`'s result are the op's outputs.
+        spec_types: the dataclasses a spec may contain (for decoding JSON under torch.compile).
+    """
+
+    def __init__(self, name: str, forward: Callable, backward: Callable, num_outputs: int,
+                 spec_types: Sequence[type]):
+        self.name, self.forward, self.backward, self.num_outputs = name, forward, backward, num_outputs
+        self.codec = SpecCodec(spec_types)
+        self._ops = None
+
+    def __call__(self, spec: Any, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if torch.compiler.is_compiling():
+            fwd, _ = self._library_ops()
+            outs = fwd(list(inputs), self.codec.encode(spec))
+            return tuple(outs[: self.num_outputs])
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            return _EagerFunction.apply(self, spec, *inputs)[: self.num_outputs]
+        return tuple(self.forward(spec, *inputs)[: self.num_outputs])
+
+    # -- torch.compile route ------------------------------------------------------------------------
+
+    def _library_ops(self):
+        if self._ops is None:
+            self._ops = self._register()
+        return self._ops
+
+    def _register(self):
+        from torch.library import triton_op
+
+        codec, forward, backward, n_out = self.codec, self.forward, self.backward, self.num_outputs
+
+        def fwd_body(inputs: List[Optional[torch.Tensor]], spec: str) -> List[torch.Tensor]:
+            with wrapped_launches():
+                return list(forward(codec.decode(spec), *inputs))
+
+        def bwd_body(inputs: List[Optional[torch.Tensor]], outputs: List[torch.Tensor],
+                     grads: List[Optional[torch.Tensor]], needs: List[bool], spec: str) -> List[torch.Tensor]:
+            with wrapped_launches():
+                return list(backward(codec.decode(spec), inputs, outputs, grads, needs))
+
+        fwd_op = triton_op(self.name, fwd_body, mutates_args=())
+        bwd_op = triton_op(self.name + "_backward", bwd_body, mutates_args=())
+
+        def setup_context(ctx, inputs, output):
+            ins, spec = inputs
+            ctx.n_in, ctx.spec = len(ins), spec
+            ctx.needs = [t is not None and t.requires_grad for t in ins]
+            ctx.none = [t is None for t in ins]
+            ctx.save_for_backward(*[t for t in ins if t is not None], *output)
+
+        def backward_formula(ctx, grads):
+            saved = list(ctx.saved_tensors)
+            present = ctx.n_in - sum(ctx.none)
+            it = iter(saved[:present])
+            ins = [None if none else next(it) for none in ctx.none]
+            outs = saved[present:]
+            got = bwd_op(ins, outs, list(grads[:n_out]), ctx.needs, ctx.spec)
+            it = iter(got)
+            return [next(it) if need else None for need in ctx.needs], None
+
+        fwd_op.register_autograd(backward_formula, setup_context=setup_context)
+        return fwd_op, bwd_op
+
+
+class _EagerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op: TritonOp, spec, *inputs):
+        outs = tuple(op.forward(spec, *inputs))
+        ctx.op, ctx.spec, ctx.n_in = op, spec, len(inputs)
+        ctx.save_for_backward(*inputs, *outs)
+        ctx.mark_non_differentiable(*outs[op.num_outputs:])
+        ctx.set_materialize_grads(False)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        ins, outs = saved[: ctx.n_in], saved[ctx.n_in:]
+        needs = list(ctx.needs_input_grad[2:])
+        got = iter(ctx.op.backward(ctx.spec, ins, outs, list(grads[: ctx.op.num_outputs]), needs))
+        return (None, None, *[next(got) if need else None for need in needs])

@@ -1,0 +1,139 @@
+"""Which launcher runs a call: jaxattn's Triton kernels from torch ("native"), or the XLA bridge.
+
+    >>> from jaxattn.torch_api import sdpa_launcher
+    >>> with sdpa_launcher("xla"):       # JAX-launched executables (parity work against a JAX model)
+    ...     out = scaled_dot_product_attention(q, k, v)
+    >>> with sdpa_launcher("native"):    # only the Triton kernels launched from torch; raises otherwise
+    ...     out = scaled_dot_product_attention(q, k, v)
+
+"auto" (the default) runs the `flash` kernels natively on CUDA wherever automatic selection would
+run them through JAX, and in place of the XLA paths where the native launch measured faster
+(`prefer_native`). The native launcher runs on CUDA tensors, and on CPU tensors under Triton's
+interpreter (TRITON_INTERPRET=1, for tests), with no XLA executable on the call path. Everything
+JAX composes (cuDNN through `jax.nn`, ring, vanilla, TPU, CPU) stays on the XLA bridge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Literal, Optional
+
+import torch
+
+from ..bridge.triton_launch import can_launch
+from ..jax_core import AttentionInputs, AttentionRegistry
+from ..jax_core.flash import FlashAttn
+
+Launcher = Literal["auto", "native", "xla"]
+LAUNCHERS = ("auto", "native", "xla")
+
+#: Implementations whose kernels the native launcher runs.
+NATIVE_IMPLEMENTATIONS = ("flash", "flash_attn2")
+
+#: Automatic selection on CUDA keeps JAX's cuDNN (through the XLA bridge) only where its faster
+#: kernel outweighs the XLA runtime's per-call host cost (about 0.3 ms forward, 1 ms forward +
+#: backward, H100): head dims 65-128 with at least this many (query, key) pairs per (batch, head)
+#: times batch * heads. At head dim 64 JAX's cuDNN ran at half of torch's (121 vs 239 TFLOP/s at
+#: (16, 16, 1024, 64) causal) and below our kernel, so the native flash kernel runs there.
+XLA_CUDNN_MIN_WORK = 2 * 16 * 8192 * 8192
+#: Decoding calls (few queries against a cache) go to the native flash kernel up to this many
+#: keys; beyond it the split-K decode kernel's bandwidth outweighs the XLA runtime's host cost.
+NATIVE_DECODE_MAX_KEYS = 16384
+
+
+class _ThreadLaunchers(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[str] = ["auto"]
+
+
+_current = _ThreadLaunchers()
+
+
+def check_launcher(launcher: str, argument: str = "launcher") -> str:
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"{argument}={launcher!r}: expected one of {LAUNCHERS} ('auto': native Triton launch where "
+                         "it is faster, 'native': only that, 'xla': the JAX-launched executables).")
+    return launcher
+
+
+def current_launcher() -> str:
+    """The innermost `sdpa_launcher` block's launcher ("auto" outside any)."""
+    return _current.stack[-1]
+
+
+@contextlib.contextmanager
+def sdpa_launcher(launcher: Launcher) -> Iterator[None]:
+    """Within the block, calls of this thread use `launcher` ("auto", "native" or "xla")."""
+    stack = _current.stack
+    stack.append(check_launcher(launcher))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def describe(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, features: set) -> AttentionInputs:
+    """A call on (B, Hq, L, E) / (B, Hk, S, E) / (B, Hk, S, Ev) tensors as a CUDA call of jax_core's
+    vocabulary (what the Triton kernels are asked for, wherever they run)."""
+    (b, hq, l, e), (hk, s) = q_shape, (k_shape[1], k_shape[2])
+    return AttentionInputs(
+        batch=b, q_len=l, kv_len=s, num_q_heads=hq, num_kv_heads=hk, head_dim=e, value_head_dim=value_head_dim,
+        dtype=str(dtype).removeprefix("torch."), platform="gpu", backend="cuda",
+        features=frozenset(set(features) | ({"gqa"} if hk != hq else set())),
+    )
+
+
+def native_reasons(inputs: AttentionInputs, device: torch.device) -> list[str]:
+    """Why the native launcher cannot run `inputs` on `device` (empty when it can)."""
+    reasons = []
+    if not can_launch(device):
+        where = "a CUDA device with Triton installed" if device.type != "cpu" else "TRITON_INTERPRET=1 on CPU"
+        reasons.append(f"the native launcher needs {where} (device {device})")
+    if inputs.num_q_heads % inputs.num_kv_heads:
+        reasons.append(f"num_q_heads={inputs.num_q_heads} is not a multiple of num_kv_heads={inputs.num_kv_heads}")
+    return reasons + FlashAttn.triton_kernel_reasons(inputs)
+
+
+def prefer_native(inputs: AttentionInputs) -> bool:
+    """Automatic selection on CUDA: whether the native flash launch beats the XLA path's choice."""
+    d = max(inputs.head_dim, inputs.value_head_dim)
+    if inputs.q_len <= 16 and inputs.kv_len > inputs.q_len:  # decoding
+        return inputs.kv_len <= NATIVE_DECODE_MAX_KEYS
+    work = inputs.batch * inputs.num_q_heads * inputs.q_len * inputs.kv_len
+    return not (64 < d <= 128 and work >= XLA_CUDNN_MIN_WORK)
+
+
+def use_native(inputs: AttentionInputs, device: torch.device, choice, launcher: str) -> bool:
+    """Whether a call described by `inputs` (see `describe`) runs by the native launcher.
+
+    Args:
+        choice: None (automatic), a name or a tuple of names (`selection.normalize_choice`).
+        launcher: "auto", "native" or "xla".
+
+    Raises:
+        ValueError: launcher "native" and the call cannot run natively (with the reasons).
+    """
+    if launcher == "xla":
+        return False
+    names = (choice,) if isinstance(choice, str) else choice
+    wanted = names is None or names[0] in NATIVE_IMPLEMENTATIONS
+    reasons = native_reasons(inputs, device) if wanted else [
+        f"implementation={choice!r} runs through JAX (the native launcher runs {NATIVE_IMPLEMENTATIONS})"]
+    if launcher == "native":
+        if reasons:
+            raise ValueError("sdpa_launcher('native') cannot run this call: " + "; ".join(reasons) + ".")
+        return True
+    if reasons or device.type != "cuda":
+        return False
+    if names is not None:  # flash asked for by name
+        return True
+    # Automatic: where the XLA path would run flash anyway, or where native measured faster.
+    return prefer_native(inputs) or _xla_choice(inputs) in NATIVE_IMPLEMENTATIONS
+
+
+def _xla_choice(inputs: AttentionInputs) -> Optional[str]:
+    try:
+        return AttentionRegistry.select(inputs).canonical_name()
+    except (ValueError, NotImplementedError):
+        return None

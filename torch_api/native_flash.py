@@ -1,0 +1,185 @@
+"""The flash kernels launched from torch: on torch's stream, on the tensors' own memory.
+
+The same Triton kernels as the `flash` implementation's JAX path (`jax_core/kernels`), launched
+with the same plans (`flash_plan`), but by Triton itself on torch tensors: no DLPack, no XLA
+executable, no copy of transposed or sliced layouts (the kernels read through each tensor's four
+strides). The entry kernels are the shape-dynamic ones, so a new length (a growing KV cache)
+needs no new compilation.
+
+Shape legend: B batch, Hq / Hk query / KV heads, L query length, S key length, D / Dv head dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..bridge.triton_autograd import TritonOp
+from ..bridge.triton_launch import KernelLaunch, optional
+from ..jax_core.kernels import flash_plan as plan
+from ..jax_core.kernels.flash_entries_triton import (delta_entry_dynamic, dkdv_entry_dynamic, dq_entry_dynamic,
+                                                     fwd_entry_dynamic)
+from ..jax_core.kernels.flash_plan import FlashConfig, Operand
+
+_FWD_TENSORS = ("Q", "K", "V", "Bias", "Mask", "Sinks", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis", "Out", "Lse")
+_BWD_INPUTS = ("Q", "K", "V", "Bias", "Mask", "dOut", "Lse", "Delta", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis")
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeFlashSpec:
+    """Everything static about a native flash call besides the tensors' shapes and strides."""
+
+    cfg: FlashConfig
+
+
+def _operand(t: torch.Tensor) -> Operand:
+    """A (B, H, T, D)-ordered tensor's sizes and strides, stride 0 on size-1 dims."""
+    return Operand(tuple(t.shape), tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride())))
+
+
+def _call(q, k, v, bias, mask, sinks) -> plan.FlashCall:
+    return plan.FlashCall(
+        q=_operand(q), k=_operand(k), v=_operand(v), bias=None if bias is None else _operand(bias),
+        mask=None if mask is None else _operand(mask), dtype_bytes=q.element_size(), has_sinks=sinks is not None,
+    )
+
+
+def _key(t: Optional[torch.Tensor]):
+    return None if t is None else (tuple(t.shape), t.stride(), t.dtype)
+
+
+# Launches per (spec, operand signature): planning a call costs more host time than launching it.
+_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 4096
+
+
+def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, out_strides, write_ds: bool) -> dict:
+    key = (spec, _key(q), _key(k), _key(v), _key(bias), _key(mask), sinks is not None, out_strides, write_ds)
+    found = _LAUNCHES.get(key)
+    if found is not None:
+        return found
+    call, cfg = _call(q, k, v, bias, mask, sinks), spec.cfg
+    b, hq, l, _ = call.q.dims
+    dv = call.v.dims[3]
+    fwd = plan.forward_launch(call, cfg, out_strides)
+    # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
+    dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
+    do_strides = out_strides  # dOut is made contiguous in Out's layout (`_grad_like`)
+    found = dict(
+        fwd=KernelLaunch(fwd_entry_dynamic, fwd.grid, fwd.num_warps, fwd.num_stages, _FWD_TENSORS, fwd.args),
+        delta=_kernel(delta_entry_dynamic, plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
+                      ("Out", "dOut", "Delta")),
+        dkdv=_kernel(dkdv_entry_dynamic, plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides),
+                     _BWD_INPUTS + ("dK", "dV")),
+        dq=_kernel(dq_entry_dynamic, plan.dq_launch(call, cfg, do_strides, dq_strides,
+                                                    plan.contiguous_strides((b, hq, l, call.k.dims[2]))
+                                                    if write_ds else None),
+                   _BWD_INPUTS + ("dQ", "dS")),
+    )
+    if len(_LAUNCHES) >= _MAX_LAUNCHES:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = found
+    return found
+
+
+def _kernel(kernel, launch: plan.Launch, tensors) -> KernelLaunch:
+    return KernelLaunch(kernel, launch.grid, launch.num_warps, launch.num_stages, tensors, launch.args)
+
+
+def _out_buffer(q: torch.Tensor, dv: int) -> torch.Tensor:
+    """Out as a (B, Hq, L, Dv) view of (B, L, Hq, Dv) memory: the layout models transpose it back to."""
+    b, hq, l, _ = q.shape
+    return torch.empty((b, l, hq, dv), dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
+def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed):
+    out = _out_buffer(q, v.shape[3])
+    launches = _launches(spec, q, k, v, bias, mask, sinks, _operand(out).strides, False)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    dev = q.device
+    i32 = torch.int32
+    launches["fwd"](
+        q, k, v, optional(bias, q.dtype, dev), optional(mask, torch.int8, dev), optional(sinks, torch.float32, dev),
+        *(optional(None, i32, dev),) * 4, optional(seed, i32, dev), optional(None, i32, dev), out, lse,
+    )
+    return out, lse
+
+
+def _grad_like(grad: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """dOut in Out's memory layout (zeros when Out was unused)."""
+    if grad is None:
+        return torch.zeros_like(out)
+    if grad.stride() == out.stride():
+        return grad
+    return torch.empty_like(out).copy_(grad)
+
+
+def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs):
+    q, k, v, bias, mask, sinks, seed = inputs
+    out, lse = outputs
+    dout = _grad_like(grads[0], out)
+    write_ds = bool(needs[3])
+    launches = _launches(spec, q, k, v, bias, mask, sinks, _operand(out).strides, write_ds)
+    dev, i32 = q.device, torch.int32
+    delta = torch.empty_like(lse)
+    launches["delta"](out, dout, delta)
+    if len(grads) > 1 and grads[1] is not None:  # d lse / d logit = P: folds into Delta
+        delta = delta - grads[1]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    b, hq, l, _ = q.shape
+    ds = torch.empty((b, hq, l, k.shape[2]), dtype=torch.float32, device=dev) if write_ds else optional(
+        None, torch.float32, dev)
+    common = (q, k, v, optional(bias, q.dtype, dev), optional(mask, torch.int8, dev), dout, lse, delta,
+              *(optional(None, i32, dev),) * 4, optional(seed, i32, dev), optional(None, i32, dev))
+    launches["dkdv"](*common, dk, dv)
+    launches["dq"](*common, dq, ds)
+    grads_in = {0: dq, 1: dk, 2: dv}
+    if write_ds:
+        grads_in[3] = _reduce_to(ds, bias).to(bias.dtype)
+    if needs[5]:
+        p_sink = torch.where(torch.isneginf(lse), 0.0, torch.exp(sinks.float()[None, :, None] - lse))
+        grads_in[5] = (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
+    return [grads_in[i] for i, need in enumerate(needs) if need]
+
+
+def _reduce_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sums a (B, Hq, L, S) gradient over the dims `like` broadcasts (size 1)."""
+    dims = tuple(i for i, n in enumerate(like.shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+FLASH_OP = TritonOp("jaxattn::native_flash", _forward, _backward, num_outputs=2,
+                    spec_types=(NativeFlashSpec, FlashConfig))
+
+
+def narrow(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A broadcast (stride-0) dim of a bias or mask becomes size 1, so the kernels read it once and its
+    gradient is summed over that dim, not written per element."""
+    if t is None or 0 not in t.stride():
+        return t
+    return t[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(t.shape, t.stride()))]
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, *,
+                  bias: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+                  sinks: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention by the native launcher; differentiable in q, k, v, bias and sinks.
+
+    Args:
+        q: (B, Hq, L, D), k: (B, Hk, S, D), v: (B, Hk, S, Dv): any strides (a (B, L, H, D) tensor
+            transposed is read in place).
+        cfg: the kernels' settings (`cfg.layout` is not used: tensors are (B, H, T, D) views).
+        bias: None or float (B|1, Hq|1, L|1, S|1) of q's dtype, added to the logits.
+        mask: None or bool/int8 (B|1, Hq|1, L|1, S|1), True = attend.
+        sinks: None or float32 (Hq,) sink logits.
+        seed: (2,) int32 Philox seed, needed when cfg.dropout_p > 0.
+
+    Returns:
+        out (B, Hq, L, Dv) of q's dtype (a view of (B, L, Hq, Dv) memory), lse (B, Hq, L) float32.
+    """
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.int8)
+    return FLASH_OP(NativeFlashSpec(cfg), q, k, v, narrow(bias), narrow(mask), sinks, seed)
