@@ -197,7 +197,7 @@ class _Plan:
                           features)
         if not use_native(inputs, query.device, choice, current_launcher()):
             return None
-        return FlashConfig(scale=float(scale) if scale is not None else 1.0 / math.sqrt(self.e), causal=bool(is_causal),
+        return FlashConfig(scale=float(scale) if scale is not None else self.e ** -0.5, causal=bool(is_causal),
                            dropout_p=float(dropout_p))
 
     # -- per call -----------------------------------------------------------------------------------

@@ -1,0 +1,242 @@
+"""The native launcher: jaxattn's Triton kernels launched from torch, through the public torch API.
+
+On CPU the kernels run under Triton's interpreter on torch CPU tensors (conftest sets
+TRITON_INTERPRET=1 without a GPU), forced with `sdpa_launcher("native")`; on a CUDA machine the
+same tests run the compiled kernels. The oracle is torch's SDPA (math) in float64 or the float64
+reference of tests/attention_reference.py. Bit-identity of the two launchers is tested against the
+JAX launcher (jax-triton, replaced on CPU by the interpreter stand-in).
+"""
+
+import importlib.util
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import jax_triton_interpret  # noqa: E402
+from attention_reference import assert_close_finite, reference  # noqa: E402
+
+from jaxattn.bridge import cache_info  # noqa: E402
+from jaxattn.bridge.triton_launch import can_launch  # noqa: E402
+from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
+from jaxattn.jax_core.kernels.flash_plan import FlashConfig  # noqa: E402
+from jaxattn.torch_api import flash_attention, scaled_dot_product_attention, sdpa_launcher  # noqa: E402
+from jaxattn.torch_api.native_flash import flash_forward  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda" and jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
+pytestmark = pytest.mark.skipif(not can_launch(torch.device(DEVICE)), reason="needs CUDA or TRITON_INTERPRET=1")
+# float32 runs its dots as tf32x3 on a GPU (near fp32); exact fp32 products under the interpreter.
+TOL = 2e-4 if DEVICE == "cuda" else 2e-5
+
+
+@pytest.fixture(autouse=True)
+def interpreted_jax_triton(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+
+
+def _randn(gen, *shape, transposed=False):
+    """float32 (B, H, T, D) on DEVICE; `transposed`: a (B, T, H, D) tensor viewed as (B, H, T, D)."""
+    if transposed:
+        b, h, t, d = shape
+        return torch.randn(b, t, h, d, generator=gen).transpose(1, 2).to(DEVICE)
+    return torch.randn(*shape, generator=gen).to(DEVICE)
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def _f64(*ts):
+    return [t.detach().double().cpu().requires_grad_(True) for t in ts]
+
+
+SDPA_CASES = {
+    # name: (B, Hq, Hk, L, S, D, is_causal, mask kind, transposed inputs)
+    "causal-gqa-transposed": (2, 4, 2, 37, 37, 32, True, None, True),
+    "causal-L<S": (1, 2, 2, 17, 50, 16, True, None, False),
+    "padding-mask-gqa": (2, 4, 1, 33, 45, 24, False, "padding", True),
+    "bias-broadcast-heads": (2, 2, 2, 29, 40, 80, False, "bias", False),
+    "bool-mask-full": (1, 3, 3, 21, 30, 16, False, "bool", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SDPA_CASES))
+def test_sdpa_native_matches_torch(case):
+    b, hq, hk, l, s, d, causal, mask_kind, transposed = SDPA_CASES[case]
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    q, k, v = (_randn(gen, *shape, transposed=transposed) for shape in ((b, hq, l, d), (b, hk, s, d), (b, hk, s, d)))
+    mask = None
+    if mask_kind == "padding":
+        lengths = torch.randint(1, s + 1, (b,), generator=gen)
+        mask = (torch.arange(s)[None, :] < lengths[:, None])[:, None, None, :].to(DEVICE)
+    elif mask_kind == "bool":
+        mask = (torch.rand(b, hq, l, s, generator=gen) > 0.4).to(DEVICE)
+    elif mask_kind == "bias":
+        mask = torch.randn(b, 1, l, s, generator=gen).to(DEVICE).requires_grad_(True)
+    q, k, v = _leaves(q, k, v)
+    cot = _randn(gen, b, hq, l, d)
+    before = cache_info()
+    with sdpa_launcher("native"):
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=hq != hk)
+        (out * cot).sum().backward()
+    assert cache_info() == before, "an XLA executable ran for a native call"
+    leaves = _f64(q, k, v) + ([mask.detach().double().cpu().requires_grad_(True)] if mask_kind == "bias" else [])
+    ref_mask = leaves[3] if mask_kind == "bias" else (None if mask is None else mask.cpu())
+    ref = F.scaled_dot_product_attention(*leaves[:3], attn_mask=ref_mask, is_causal=causal, enable_gqa=hq != hk)
+    (ref * cot.double().cpu()).sum().backward()
+    assert_close_finite("out", out.detach().double().cpu(), ref.detach(), TOL)
+    for name, got, want in zip("qkv", (q, k, v), leaves):
+        assert_close_finite(f"grad {name}", got.grad.double().cpu(), want.grad, TOL)
+    if mask_kind == "bias":
+        assert_close_finite("grad bias", mask.grad.double().cpu(), leaves[3].grad, TOL)
+
+
+FLASH_CASES = {
+    # name: (B, Hq, Hk, L, S, D, options)
+    "bottom-right-window": (1, 4, 2, 23, 61, 32, dict(causal=True, causal_alignment="bottom_right", window=(9, 0))),
+    "softcap-sinks": (2, 2, 1, 30, 30, 16, dict(causal=True, softcap=3.0, sinks=True)),
+    "window-both-sides": (1, 2, 2, 40, 40, 24, dict(window=(5, 7))),
+    "lse-bottom-right": (1, 2, 2, 9, 33, 16, dict(causal=True, causal_alignment="bottom_right", return_lse=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLASH_CASES))
+def test_flash_attention_native_matches_reference(case):
+    b, hq, hk, l, s, d, opts = FLASH_CASES[case]
+    opts = dict(opts)
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    q, k, v = _leaves(_randn(gen, b, hq, l, d, transposed=True), _randn(gen, b, hk, s, d), _randn(gen, b, hk, s, d))
+    sinks = None
+    if opts.pop("sinks", False):
+        sinks = torch.randn(hq, 2, generator=gen).to(DEVICE).requires_grad_(True)
+    return_lse = opts.get("return_lse", False)
+    cot, cot_lse = _randn(gen, b, hq, l, d), _randn(gen, b, hq, l)
+    before = cache_info()
+    with sdpa_launcher("native"):
+        result = flash_attention(q, k, v, sinks=sinks, **opts)
+    out, lse = result if return_lse else (result, None)
+    loss = (out * cot).sum() + ((lse * cot_lse).sum() if return_lse else 0)
+    loss.backward()
+    assert cache_info() == before
+    leaves = _f64(q, k, v)
+    s64 = None if sinks is None else sinks.detach().double().cpu().requires_grad_(True)
+    ref_sinks = None if s64 is None else torch.logsumexp(s64, -1)
+    ref, ref_lse = reference(*leaves, causal=opts.get("causal", False), alignment=opts.get("causal_alignment", "top_left"),
+                             window=opts.get("window"), softcap=opts.get("softcap"), sinks=ref_sinks)
+    ref_loss = (ref * cot.double().cpu()).sum() + ((ref_lse * cot_lse.double().cpu()).sum() if return_lse else 0)
+    ref_loss.backward()
+    assert_close_finite("out", out.detach().double().cpu(), ref.detach(), TOL)
+    if return_lse:
+        assert_close_finite("lse", lse.detach().double().cpu(), ref_lse.detach(), TOL)
+    for name, got, want in zip("qkv", (q, k, v), leaves):
+        assert_close_finite(f"grad {name}", got.grad.double().cpu(), want.grad, TOL)
+    if sinks is not None:
+        assert_close_finite("grad sinks", sinks.grad.double().cpu(), s64.grad, TOL)
+
+
+def test_dropout_uses_the_kernels_keep_mask_and_torch_rng():
+    """Output and gradients equal the float64 computation with the kernels' own keep mask; the
+    same torch seed gives the same result, another seed another one."""
+    gen = torch.Generator().manual_seed(7)
+    b, h, l, s, d, p = 1, 2, 19, 26, 16, 0.3
+    q, k, v = _leaves(*(_randn(gen, b, h, t, d) for t in (l, s, s)))
+    seed = torch.tensor([12345, 678], dtype=torch.int32, device=DEVICE)
+    cfg = FlashConfig(scale=d ** -0.5, dropout_p=p)
+    out, _ = flash_forward(q, k, v, cfg, seed=seed)
+    cot = _randn(gen, b, h, l, d)
+    (out * cot).sum().backward()
+    keep = _keep_mask(seed, b * h, l, s, p).reshape(b, h, l, s)
+    leaves = _f64(q, k, v)
+    probs = torch.softmax((leaves[0] @ leaves[1].transpose(-1, -2)) * d ** -0.5, dim=-1)
+    ref = (probs * keep / (1 - p)) @ leaves[2]
+    (ref * cot.double().cpu()).sum().backward()
+    assert_close_finite("out", out.detach().double().cpu(), ref.detach(), TOL)
+    for name, got, want in zip("qkv", (q, k, v), leaves):
+        assert_close_finite(f"grad {name}", got.grad.double().cpu(), want.grad, TOL)
+    torch.manual_seed(3)
+    with sdpa_launcher("native"):
+        a = scaled_dot_product_attention(q, k, v, dropout_p=p)
+        torch.manual_seed(3)
+        b_ = scaled_dot_product_attention(q, k, v, dropout_p=p)
+        c = scaled_dot_product_attention(q, k, v, dropout_p=p)
+    assert torch.equal(a, b_) and not torch.equal(a, c)
+
+
+def _keep_mask(seed, bh, l, s, p):
+    """The keep mask the kernels apply, materialised by their own Triton helper (native launch)."""
+    from jaxattn.bridge.triton_launch import KernelLaunch
+    from jaxattn.jax_core.kernels.flash_entries_triton import dropout_mask_entry
+
+    keep = torch.empty(bh, l, s, dtype=torch.int8, device=DEVICE)
+    KernelLaunch(dropout_mask_entry, (-(-l // 32), bh), 4, 1, ("Seed", "Keep"),
+                 dict(BH=bh, L=l, S=s, dropout_p=p, BLOCK_M=32, BLOCK_N=64))(seed, keep)
+    return keep.cpu().double()
+
+
+BIT_CASES = {
+    "causal-gqa": (dict(causal=True), False, False),
+    "bias-softcap-sinks": (dict(causal=False, softcap=2.5), True, True),
+    "bottom-right-window-dropout": (dict(causal=True, diag_offset=12, window=(6, -1), dropout_p=0.25), False, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BIT_CASES))
+def test_launchers_bit_identical(case):
+    """The torch launcher and the JAX launcher give the same bits: outputs, LSE and gradients."""
+    opts, with_bias, with_sinks = BIT_CASES[case]
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    b, hq, hk, l, s, d = 2, 4, 2, 21, 33, 16
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((b, hq, l, d), (b, hk, s, d), (b, hk, s, d)))
+    bias = torch.randn(1, hq, l, s, generator=gen) if with_bias else None
+    sinks = torch.randn(hq, generator=gen) if with_sinks else None
+    seed = torch.tensor([99, 5], dtype=torch.int32)
+    cot = torch.randn(b, hq, l, d, generator=gen)
+    cfg = FlashConfig(scale=d ** -0.5, **opts)
+    # torch launcher
+    tq, tk, tv = _leaves(*(x.to(DEVICE) for x in (q, k, v)))
+    tb = None if bias is None else bias.to(DEVICE).clone().requires_grad_(True)
+    ts = None if sinks is None else sinks.to(DEVICE).clone().requires_grad_(True)
+    out, lse = flash_forward(tq, tk, tv, cfg, bias=tb, sinks=ts, seed=seed.to(DEVICE))
+    (out * cot.to(DEVICE)).sum().backward()
+    # JAX launcher
+    j = lambda t: None if t is None else jnp.asarray(t.numpy())  # noqa: E731
+
+    def loss(q, k, v, bias):
+        o, lse_ = fj.flash_attention_triton(q, k, v, bias, None, j(sinks), fj.FlashExtras(seed=j(seed)), cfg)
+        return jnp.sum(o * j(cot)), (o, lse_)
+
+    grads, (jout, jlse) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(j(q), j(k), j(v), j(bias))
+    same = lambda t, a: np.array_equal(t.detach().cpu().numpy(), np.asarray(a))  # noqa: E731
+    assert same(out, jout) and same(lse, jlse)
+    for name, t, g in zip(("q", "k", "v"), (tq, tk, tv), grads):
+        assert same(t.grad, g), f"grad {name} differs"
+    if bias is not None:
+        np.testing.assert_allclose(tb.grad.cpu().numpy(), np.asarray(grads[3]), rtol=1e-6, atol=1e-6)
+
+
+def test_native_refuses_what_it_cannot_run():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64, device=DEVICE)
+    with sdpa_launcher("native"), pytest.raises(ValueError, match="dtype float64"):
+        scaled_dot_product_attention(q, q, q)
+    with pytest.raises(ValueError, match="launcher='bogus'"):
+        with sdpa_launcher("bogus"):
+            pass
+
+
+def test_xla_launcher_still_serves_the_same_call():
+    """sdpa_launcher("xla") keeps the JAX-launched path: the result matches the native one."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (_randn(gen, 1, 2, 12, 16) for _ in range(3))
+    with sdpa_launcher("native"):
+        native = scaled_dot_product_attention(q, k, v, is_causal=True)
+    with sdpa_launcher("xla"):
+        xla = scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(native, xla, rtol=TOL, atol=TOL)
