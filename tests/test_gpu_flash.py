@@ -9,7 +9,7 @@ import torch
 
 from attention_reference import reference
 
-from jaxattn.torch_api import flash_attention, scaled_dot_product_attention
+from jaxattn.torch_api import flash_attention, scaled_dot_product_attention, sdpa_launcher
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,6 +18,13 @@ pytestmark = [
 ]
 
 DEV = "cuda"
+
+
+@pytest.fixture(params=["native", "xla"], autouse=True)
+def launcher(request):
+    """Every test runs with both launchers of the same kernels."""
+    with sdpa_launcher(request.param):
+        yield request.param
 
 CASES = [
     dict(b=2, hq=4, hk=4, l=97, s=1025, d=64),
