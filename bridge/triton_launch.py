@@ -152,9 +152,23 @@ def _raw_stream(index: int) -> int:
     return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
 
 
+_PLACEHOLDERS: dict = {}
+
+
 def empty_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-element tensor for a pointer argument the kernel does not read (a feature switched off)."""
-    return torch.empty(1, dtype=dtype, device=device)
+    """A 1-element tensor for a pointer argument the kernel does not read (a feature switched off).
+
+    Eager calls share one per (dtype, device), allocated once (an allocation per unused pointer would
+    cost more host time than the launch); traced calls allocate theirs, since a kept real tensor must
+    not enter a fake-tensor trace.
+    """
+    if _trace.wrapped:
+        return torch.empty(1, dtype=dtype, device=device)
+    key = (dtype, device)
+    found = _PLACEHOLDERS.get(key)
+    if found is None:
+        found = _PLACEHOLDERS[key] = torch.empty(1, dtype=dtype, device=device)
+    return found
 
 
 def optional(t: Optional[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
