@@ -240,3 +240,28 @@ def test_xla_launcher_still_serves_the_same_call():
     with sdpa_launcher("xla"):
         xla = scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(native, xla, rtol=TOL, atol=TOL)
+
+
+def test_masked_tiles_are_skipped():
+    """Keys and values inside key blocks the mask hides entirely are NaN: a computed tile would
+    spread NaN (0 * NaN) into outputs and gradients; skipped ones cannot."""
+    gen = torch.Generator().manual_seed(11)
+    b, h, l, s, d = 1, 2, 70, 192, 32
+    q, k, v = (_randn(gen, b, h, t, d) for t in (l, s, s))
+    mask = torch.ones(b, 1, l, s, dtype=torch.bool)
+    mask[..., 64:128] = False  # one whole key block of every kernel's 64-wide tiles
+    k[..., 64:128, :] = float("nan")
+    v[..., 64:128, :] = float("nan")
+    q, k, v = _leaves(q, k, v)
+    cot = _randn(gen, b, h, l, d)
+    cfg = FlashConfig(scale=d ** -0.5)
+    out, _ = flash_forward(q, k, v, cfg, mask=mask.to(DEVICE))  # the API's finite check would refuse NaN
+    (out * cot).sum().backward()
+    leaves = _f64(q.nan_to_num(), k.nan_to_num(), v.nan_to_num())
+    ref = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    (ref * cot.double().cpu()).sum().backward()
+    assert_close_finite("out", out.detach().double().cpu(), ref.detach(), TOL)
+    assert_close_finite("grad q", q.grad.double().cpu(), leaves[0].grad, TOL)
+    kept = torch.ones(s, dtype=torch.bool)
+    kept[64:128] = False
+    assert_close_finite("grad k", k.grad.double().cpu()[..., kept, :], leaves[1].grad[..., kept, :], TOL)

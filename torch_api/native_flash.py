@@ -22,6 +22,7 @@ from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_entries_triton import (delta_entry_dynamic, dkdv_entry_dynamic, dq_entry_dynamic,
                                                      fwd_entry_dynamic)
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
+from ..jax_core.kernels.skip_table_triton import skip_table_entry_dynamic, skip_table_launch, skip_table_shape
 
 _FWD_TENSORS = ("Q", "K", "V", "Bias", "Mask", "Sinks", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis", "Out", "Lse")
 _BWD_INPUTS = ("Q", "K", "V", "Bias", "Mask", "dOut", "Lse", "Delta", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis")
@@ -67,21 +68,59 @@ def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, out_strides, wr
     # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
     dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
     do_strides = out_strides  # dOut is made contiguous in Out's layout (`_grad_like`)
+    skip = _skip_plans(call, cfg)
+    if skip is not None:  # the tables are contiguous, written by the skip-table kernel
+        fwd = plan.forward_launch(call, cfg, out_strides, skip["fwd"][1])
     found = dict(
+        skip=skip,
         fwd=KernelLaunch(fwd_entry_dynamic, fwd.grid, fwd.num_warps, fwd.num_stages, _FWD_TENSORS, fwd.args),
         delta=_kernel(delta_entry_dynamic, plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
                       ("Out", "dOut", "Delta")),
-        dkdv=_kernel(dkdv_entry_dynamic, plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides),
+        dkdv=_kernel(dkdv_entry_dynamic, plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides,
+                                                          skip and skip["dkdv"][1]),
                      _BWD_INPUTS + ("dK", "dV")),
         dq=_kernel(dq_entry_dynamic, plan.dq_launch(call, cfg, do_strides, dq_strides,
                                                     plan.contiguous_strides((b, hq, l, call.k.dims[2]))
-                                                    if write_ds else None),
+                                                    if write_ds else None, skip and skip["dq"][1]),
                    _BWD_INPUTS + ("dQ", "dS")),
     )
     if len(_LAUNCHES) >= _MAX_LAUNCHES:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
     return found
+
+
+def _skip_plans(call: plan.FlashCall, cfg: FlashConfig) -> Optional[dict]:
+    """Per kernel ("fwd", "dkdv", "dq"): (table shape, table strides, the skip-table kernel's launch),
+    or None when no tiles are skipped (no bool mask or bias)."""
+    if not plan.uses_skip_table(call, cfg):
+        return None
+    b, hq, l, _ = call.q.dims
+    s = call.k.dims[2]
+    given = [o for o in (call.mask, call.bias) if o is not None]
+    tb = b if any(o.dims[0] != 1 for o in given) else 1
+    th = hq if any(o.dims[1] != 1 for o in given) else 1
+    fwd = plan.forward_tile(call, cfg)
+    kv, dq = plan.backward_tiles(call, cfg)
+    plans = {}
+    for name, (block_m, block_n), along in (("fwd", fwd[:2], "k"), ("dkdv", kv[:2], "q"), ("dq", dq[:2], "k")):
+        shape = skip_table_shape(tb, th, l, s, block_m, block_n, along)
+        grid, warps, args = skip_table_launch(tb, th, l, s, block_m, block_n, along,
+                                              call.mask.strides if call.mask is not None else None,
+                                              call.bias.strides if call.bias is not None else None)
+        launch = KernelLaunch(skip_table_entry_dynamic, grid, warps, 1, ("Mask", "Bias", "Table"), args)
+        plans[name] = (shape, plan.contiguous_strides(shape), launch)
+    return plans
+
+
+def _skip_table(skip: Optional[dict], name: str, bias, mask, device) -> torch.Tensor:
+    """The int32 skip table of kernel `name` (a placeholder when no tiles are skipped)."""
+    if skip is None:
+        return optional(None, torch.int32, device)
+    shape, _, launch = skip[name]
+    table = torch.empty(shape, dtype=torch.int32, device=device)
+    launch(optional(mask, torch.int8, device), optional(bias, torch.float32, device), table)
+    return table
 
 
 def _kernel(kernel, launch: plan.Launch, tensors) -> KernelLaunch:
@@ -102,7 +141,8 @@ def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed):
     i32 = torch.int32
     launches["fwd"](
         q, k, v, optional(bias, q.dtype, dev), optional(mask, torch.int8, dev), optional(sinks, torch.float32, dev),
-        *(optional(None, i32, dev),) * 4, optional(seed, i32, dev), optional(None, i32, dev), out, lse,
+        *(optional(None, i32, dev),) * 4, optional(seed, i32, dev),
+        _skip_table(launches["skip"], "fwd", bias, mask, dev), out, lse,
     )
     return out, lse
 
@@ -132,9 +172,9 @@ def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs):
     ds = torch.empty((b, hq, l, k.shape[2]), dtype=torch.float32, device=dev) if write_ds else optional(
         None, torch.float32, dev)
     common = (q, k, v, optional(bias, q.dtype, dev), optional(mask, torch.int8, dev), dout, lse, delta,
-              *(optional(None, i32, dev),) * 4, optional(seed, i32, dev), optional(None, i32, dev))
-    launches["dkdv"](*common, dk, dv)
-    launches["dq"](*common, dq, ds)
+              *(optional(None, i32, dev),) * 4, optional(seed, i32, dev))
+    launches["dkdv"](*common, _skip_table(launches["skip"], "dkdv", bias, mask, dev), dk, dv)
+    launches["dq"](*common, _skip_table(launches["skip"], "dq", bias, mask, dev), dq, ds)
     grads_in = {0: dq, 1: dk, 2: dv}
     if write_ds:
         grads_in[3] = _reduce_to(ds, bias).to(bias.dtype)

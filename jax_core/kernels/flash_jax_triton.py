@@ -21,6 +21,7 @@ from . import flash_plan as plan
 from .flash_entries_triton import (delta_entry_static, dkdv_entry_static, dq_entry_static, dropout_mask_entry,
                                    fwd_entry_static)
 from .flash_plan import FlashConfig, Operand
+from .skip_table_jax import skip_table_jax
 
 __all__ = ["FlashConfig", "FlashExtras", "flash_attention_triton", "flash_block_forward", "flash_block_backward"]
 
@@ -102,6 +103,9 @@ def _fold(x: jax.Array, axis: int, tile: int) -> jax.Array:
     return jnp.max(x.reshape(x.shape[:axis] + (blocks, tile) + x.shape[axis + 1:]), axis=axis + 1)
 
 
+# --- the skip table in jnp: the reference the skip-table kernel is tested against -----------------
+
+
 def visibility_tiles(bias: Optional[jax.Array], mask: Optional[jax.Array],
                      tile: tuple[int, int]) -> jax.Array:
     """Which (tile_m x tile_n) tiles of the logits the bool mask and the bias leave visible.
@@ -126,16 +130,10 @@ def visibility_tiles(bias: Optional[jax.Array], mask: Optional[jax.Array],
     return vis
 
 
-def _skip_tiles(call: plan.FlashCall, bias, mask, cfg: FlashConfig) -> Optional[tuple[tuple[int, int], jax.Array]]:
-    """(fine tile, its visibility table) when the kernels should skip masked tiles, else None.
-
-    The fine tile divides the tiles of the forward and both backward kernels, so each kernel's
-    table is one `_fold` of it away (`skip_table`).
-    """
-    if not plan.uses_skip_table(call, cfg):
-        return None
-    tile = plan.skip_fine_tile(call, cfg)
-    return tile, visibility_tiles(bias, mask, tile)
+def _skip_tiles(call: plan.FlashCall, bias, mask, cfg: FlashConfig):
+    """(bias, mask) when the kernels should skip the tiles they mask entirely, else None; each kernel's
+    table comes from the skip-table kernel the torch launcher also runs (`skip_table_triton`)."""
+    return (bias, mask) if plan.uses_skip_table(call, cfg) else None
 
 
 def skip_table(skip, block_m: int, block_n: int, l: int, s: int, along: str) -> jax.Array:
@@ -168,7 +166,7 @@ def _skip_table_input(skip, block_m: int, block_n: int, l: int, s: int, along: s
     """(skip table or a placeholder, its strides or None) for a kernel with (block_m, block_n) tiles."""
     if skip is None:
         return _placeholder(jnp.int32), None
-    table = skip_table(skip, block_m, block_n, l, s, along)
+    table = skip_table_jax(*skip, block_m, block_n, l, s, along)
     return table, plan.contiguous_strides(table.shape)
 
 
