@@ -89,13 +89,14 @@ class Progress:
 
 def _versions() -> dict:
     from ._version import __version__
+from .jax_core.kernels.jax_triton_module import jax_triton
 
     out = {"jaxattn": __version__, "python": platform.python_version()}
     for name in ("torch", "jax", "jaxlib", "triton", "jax_triton", "numpy"):
         module = sys.modules.get(name)
         if module is None:
             try:
-                module = __import__(name)
+                module = jax_triton() if name == "jax_triton" else __import__(name)
             except Exception:  # an optional package that is absent or broken
                 continue
         out[name] = getattr(module, "__version__", "?")

@@ -10,13 +10,14 @@ from typing import Optional, Sequence
 from . import bench
 from . import parity
 from ._version import __version__
+from .jax_core.kernels.jax_triton_module import jax_triton
 
 
 def _versions() -> list[tuple[str, str]]:
     rows = [("jaxattn", __version__), ("python", platform.python_version())]
     for name in ("jax", "jaxlib", "torch", "numpy", "triton", "jax_triton"):
         try:
-            module = __import__(name)
+            module = jax_triton() if name == "jax_triton" else __import__(name)
             rows.append((name, getattr(module, "__version__", "?")))
         except Exception as exc:  # a broken optional install should not stop the report
             rows.append((name, f"not available ({type(exc).__name__})"))

@@ -27,6 +27,7 @@ from jaxattn.bridge.triton_launch import can_launch  # noqa: E402
 from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 from jaxattn.jax_core.kernels.flash_plan import FlashConfig  # noqa: E402
 from jaxattn.torch_api import flash_attention, scaled_dot_product_attention, sdpa_launcher  # noqa: E402
+from jaxattn.torch_api import native_flash  # noqa: E402
 from jaxattn.torch_api.native_flash import flash_forward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,9 +189,12 @@ BIT_CASES = {
 }
 
 
+@pytest.mark.parametrize("entries", ["static", "dynamic"])
 @pytest.mark.parametrize("case", sorted(BIT_CASES))
-def test_launchers_bit_identical(case):
-    """The torch launcher and the JAX launcher give the same bits: outputs, LSE and gradients."""
+def test_launchers_bit_identical(case, entries, monkeypatch):
+    """The torch launcher and the JAX launcher give the same bits: outputs, LSE and gradients, with
+    either flavour of the torch launcher's entry kernels."""
+    monkeypatch.setattr(native_flash, "FORCE_ENTRIES", entries)
     opts, with_bias, with_sinks = BIT_CASES[case]
     gen = torch.Generator().manual_seed(sum(map(ord, case)))
     b, hq, hk, l, s, d = 2, 4, 2, 21, 33, 16

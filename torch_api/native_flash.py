@@ -19,13 +19,21 @@ import torch
 from ..bridge.triton_autograd import TritonOp
 from ..bridge.triton_launch import KernelLaunch, optional
 from ..jax_core.kernels import flash_plan as plan
-from ..jax_core.kernels.flash_entries_triton import (delta_entry_dynamic, dkdv_entry_dynamic, dq_entry_dynamic,
-                                                     fwd_entry_dynamic)
+from ..jax_core.kernels import flash_entries_triton as entries_triton
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
-from ..jax_core.kernels.skip_table_triton import skip_table_entry_dynamic, skip_table_launch, skip_table_shape
+from ..jax_core.kernels.skip_table_triton import (skip_table_entry_dynamic, skip_table_entry_static, skip_table_launch,
+                                                  skip_table_shape)
 
 _FWD_TENSORS = ("Q", "K", "V", "Bias", "Mask", "Sinks", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis", "Out", "Lse")
 _BWD_INPUTS = ("Q", "K", "V", "Bias", "Mask", "dOut", "Lse", "Delta", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis")
+
+
+_ENTRIES = {
+    flavour: dict(fwd=getattr(entries_triton, f"fwd_entry_{flavour}"), delta=getattr(entries_triton, f"delta_entry_{flavour}"),
+                  dkdv=getattr(entries_triton, f"dkdv_entry_{flavour}"), dq=getattr(entries_triton, f"dq_entry_{flavour}"),
+                  skip=skip_table_entry_dynamic if flavour == "dynamic" else skip_table_entry_static)
+    for flavour in ("static", "dynamic")
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,30 +64,54 @@ _LAUNCHES: dict = {}
 _MAX_LAUNCHES = 4096
 
 
-def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, out_strides, write_ds: bool) -> dict:
-    key = (spec, _key(q), _key(k), _key(v), _key(bias), _key(mask), sinks is not None, out_strides, write_ds)
+#: Decoding-like calls (at most this many queries) use the shape-dynamic entries: a growing KV cache
+#: then reuses one compilation. Longer calls use the static entries, whose constant sizes and strides
+#: compile to faster code (one compilation per shape, as the JAX launcher does).
+DYNAMIC_MAX_QUERIES = 16
+#: "static" or "dynamic" forces one flavour of entry kernels (benchmarks); None: by `DYNAMIC_MAX_QUERIES`.
+FORCE_ENTRIES: Optional[str] = None
+
+
+def _entries(q_len: int) -> dict:
+    flavour = FORCE_ENTRIES or ("dynamic" if q_len <= DYNAMIC_MAX_QUERIES else "static")
+    return _ENTRIES[flavour]
+
+
+def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:
+    """Strides of Out, a (B, Hq, L, Dv) view of (B, L, Hq, Dv) memory (`_out_buffer`), 0 on size-1 dims."""
+    b, hq, l, _ = q.shape
+    full = (l * hq * dv, dv, hq * dv, 1)
+    return tuple(0 if n == 1 else st for n, st in zip((b, hq, l, dv), full))
+
+
+def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, do_strides=None, write_ds: bool = False) -> dict:
+    """The call's launches (cached per signature); `do_strides` of dOut for the backward ones."""
+    entries = _entries(q.shape[2])
+    key = (spec, _key(q), _key(k), _key(v), _key(bias), _key(mask), sinks is not None, do_strides, write_ds,
+           entries["fwd"])
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     call, cfg = _call(q, k, v, bias, mask, sinks), spec.cfg
+    out_strides = _out_strides(q, v.shape[3])
+    do_strides = do_strides or out_strides
     b, hq, l, _ = call.q.dims
     dv = call.v.dims[3]
     fwd = plan.forward_launch(call, cfg, out_strides)
     # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
     dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
-    do_strides = out_strides  # dOut is made contiguous in Out's layout (`_grad_like`)
-    skip = _skip_plans(call, cfg)
+    skip = _skip_plans(call, cfg, entries)
     if skip is not None:  # the tables are contiguous, written by the skip-table kernel
         fwd = plan.forward_launch(call, cfg, out_strides, skip["fwd"][1])
     found = dict(
         skip=skip,
-        fwd=KernelLaunch(fwd_entry_dynamic, fwd.grid, fwd.num_warps, fwd.num_stages, _FWD_TENSORS, fwd.args),
-        delta=_kernel(delta_entry_dynamic, plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
+        fwd=KernelLaunch(entries["fwd"], fwd.grid, fwd.num_warps, fwd.num_stages, _FWD_TENSORS, fwd.args),
+        delta=_kernel(entries["delta"], plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
                       ("Out", "dOut", "Delta")),
-        dkdv=_kernel(dkdv_entry_dynamic, plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides,
+        dkdv=_kernel(entries["dkdv"], plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides,
                                                           skip and skip["dkdv"][1]),
                      _BWD_INPUTS + ("dK", "dV")),
-        dq=_kernel(dq_entry_dynamic, plan.dq_launch(call, cfg, do_strides, dq_strides,
+        dq=_kernel(entries["dq"], plan.dq_launch(call, cfg, do_strides, dq_strides,
                                                     plan.contiguous_strides((b, hq, l, call.k.dims[2]))
                                                     if write_ds else None, skip and skip["dq"][1]),
                    _BWD_INPUTS + ("dQ", "dS")),
@@ -90,7 +122,7 @@ def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, out_strides, wr
     return found
 
 
-def _skip_plans(call: plan.FlashCall, cfg: FlashConfig) -> Optional[dict]:
+def _skip_plans(call: plan.FlashCall, cfg: FlashConfig, entries: dict) -> Optional[dict]:
     """Per kernel ("fwd", "dkdv", "dq"): (table shape, table strides, the skip-table kernel's launch),
     or None when no tiles are skipped (no bool mask or bias)."""
     if not plan.uses_skip_table(call, cfg):
@@ -108,7 +140,7 @@ def _skip_plans(call: plan.FlashCall, cfg: FlashConfig) -> Optional[dict]:
         grid, warps, args = skip_table_launch(tb, th, l, s, block_m, block_n, along,
                                               call.mask.strides if call.mask is not None else None,
                                               call.bias.strides if call.bias is not None else None)
-        launch = KernelLaunch(skip_table_entry_dynamic, grid, warps, 1, ("Mask", "Bias", "Table"), args)
+        launch = KernelLaunch(entries["skip"], grid, warps, 1, ("Mask", "Bias", "Table"), args)
         plans[name] = (shape, plan.contiguous_strides(shape), launch)
     return plans
 
@@ -135,7 +167,7 @@ def _out_buffer(q: torch.Tensor, dv: int) -> torch.Tensor:
 
 def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed):
     out = _out_buffer(q, v.shape[3])
-    launches = _launches(spec, q, k, v, bias, mask, sinks, _operand(out).strides, False)
+    launches = _launches(spec, q, k, v, bias, mask, sinks)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     dev = q.device
     i32 = torch.int32
@@ -148,12 +180,8 @@ def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed):
 
 
 def _grad_like(grad: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """dOut in Out's memory layout (zeros when Out was unused)."""
-    if grad is None:
-        return torch.zeros_like(out)
-    if grad.stride() == out.stride():
-        return grad
-    return torch.empty_like(out).copy_(grad)
+    """dOut as the kernels read it: the gradient as it comes (any strides), zeros when Out was unused."""
+    return torch.zeros_like(out) if grad is None else grad
 
 
 def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs):
@@ -161,7 +189,7 @@ def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs):
     out, lse = outputs
     dout = _grad_like(grads[0], out)
     write_ds = bool(needs[3])
-    launches = _launches(spec, q, k, v, bias, mask, sinks, _operand(out).strides, write_ds)
+    launches = _launches(spec, q, k, v, bias, mask, sinks, _operand(dout).strides, write_ds)
     dev, i32 = q.device, torch.int32
     delta = torch.empty_like(lse)
     launches["delta"](out, dout, delta)
@@ -221,5 +249,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
         out (B, Hq, L, Dv) of q's dtype (a view of (B, L, Hq, Dv) memory), lse (B, Hq, L) float32.
     """
     if mask is not None and mask.dtype == torch.bool:
-        mask = mask.view(torch.int8)
+        # Same bytes, read as int8 by the kernels; Inductor cannot lower a bool->int8 view, so a
+        # traced call converts (fused into the mask's producer).
+        mask = mask.to(torch.int8) if torch.compiler.is_compiling() else mask.view(torch.int8)
     return FLASH_OP(NativeFlashSpec(cfg), q, k, v, narrow(bias), narrow(mask), sinks, seed)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from .jax_triton_module import jax_triton
 from .decode_stream_triton import decode_stream_kernel, decode_stream_merge_kernel
 from .decode_triton import decode_merge_kernel, decode_split_kernel
 
@@ -311,7 +312,7 @@ def decode_attention_triton(
         out in q's layout and dtype; lse (B, Hq, T) float32 (-inf for queries that see nothing,
         unless a sink is given).
     """
-    import jax_triton as jt
+    jt = jax_triton()
 
     if cfg.cache_layout not in CACHE_LAYOUTS:
         raise ValueError(f"cache_layout={cfg.cache_layout!r}: expected one of {CACHE_LAYOUTS}.")
@@ -424,7 +425,7 @@ def _common_meta(q, k, v, starts, block_table, cfg: DecodeConfig, plan: _Plan) -
 
 def _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg: DecodeConfig, plan: _Plan):
     """The stream schedule: `decode_stream_kernel` then `decode_stream_merge_kernel`."""
-    import jax_triton as jt
+    jt = jax_triton()
 
     b, t, hq, dv = plan.b, plan.t, plan.hq, plan.dv
     segments = b * plan.hkv * plan.row_blocks

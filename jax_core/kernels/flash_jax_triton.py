@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import triton
 
+from .jax_triton_module import jax_triton
 from . import flash_plan as plan
 from .flash_entries_triton import (delta_entry_static, dkdv_entry_static, dq_entry_static, dropout_mask_entry,
                                    fwd_entry_static)
@@ -82,7 +83,7 @@ def dropout_keep_mask(seed: jax.Array, bh: int, l: int, s: int, dropout_p: float
     Returns:
         (bh, l, s) bool, True where a probability is kept (and scaled by 1 / (1 - dropout_p)).
     """
-    import jax_triton as jt
+    jt = jax_triton()
 
     keep = jt.triton_call(
         seed.astype(jnp.int32), kernel=dropout_mask_entry,
@@ -220,7 +221,7 @@ def _extra_inputs(extras: FlashExtras, seg_tables) -> tuple[jax.Array, ...]:
 
 
 def _launch(kernel, inputs, out_shape, launch: plan.Launch):
-    import jax_triton as jt
+    jt = jax_triton()
 
     return jt.triton_call(*inputs, kernel=kernel, out_shape=out_shape, grid=launch.grid,
                           num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.args)

@@ -15,6 +15,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from .jax_triton_module import jax_triton
 from .skip_table_triton import broadcast_strides, skip_table_entry_static, skip_table_launch, skip_table_shape
 
 
@@ -40,7 +41,7 @@ def skip_table_jax(bias: Optional[jax.Array], mask: Optional[jax.Array], block_m
         (B|1, H|1, R, 2 * C + 1) int32: per row, C + 1 prefix counts of live blocks, then the live
         blocks in ascending order followed by the dead ones in ascending order.
     """
-    import jax_triton as jt
+    jt = jax_triton()
 
     mask, bias = _checked(mask, l, s, "mask"), _checked(bias, l, s, "bias")
     given = [x for x in (mask, bias) if x is not None]
