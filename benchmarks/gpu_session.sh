@@ -17,5 +17,5 @@ what=$1; shift
 case $what in
   tests) python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
   bench) python3 -m jaxattn bench "$@" 2>&1 | tee "$OUT/bench.log" ;;
-  py) python3 "$@" 2>&1 | tee "$OUT/py.log" ;;
+  py) python3 "$@" 2>&1 | tee "$OUT/$(basename "$1" .py).log" ;;
 esac

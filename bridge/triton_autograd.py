@@ -79,6 +79,12 @@ class TritonOp:
         self.name, self.forward, self.backward, self.num_outputs = name, forward, backward, num_outputs
         self.codec = SpecCodec(spec_types)
         self._ops = None
+        # Registered now, not on first use: Dynamo refuses to trace a call of `triton_op` itself.
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return
+        self._library_ops()
 
     def __call__(self, spec: Any, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if torch.compiler.is_compiling():

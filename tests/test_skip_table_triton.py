@@ -21,6 +21,9 @@ triton = pytest.importorskip("triton")
 
 import jax_triton_interpret  # noqa: E402
 
+# The torch launch runs compiled on a CUDA machine, interpreted elsewhere.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 from jaxattn.jax_core.kernels import skip_table_triton as st  # noqa: E402
 from jaxattn.jax_core.kernels.skip_table_jax import skip_table_jax  # noqa: E402
@@ -62,11 +65,12 @@ def _torch_table(bias, mask, block_m, block_n, l, s, along):
     strides = lambda x: None if x is None else st.broadcast_strides(x.shape, x.stride())  # noqa: E731
     grid, num_warps, args = st.skip_table_launch(b, h, l, s, block_m, block_n, along,
                                                  mask_strides=strides(mask), bias_strides=strides(bias))
-    table = torch.full(st.skip_table_shape(b, h, l, s, block_m, block_n, along), -1, dtype=torch.int32)
+    dev = DEVICE
+    table = torch.full(st.skip_table_shape(b, h, l, s, block_m, block_n, along), -1, dtype=torch.int32, device=dev)
     st.skip_table_entry_dynamic[grid](
-        torch.zeros(1, dtype=torch.int8) if mask is None else mask,
-        torch.zeros(1) if bias is None else bias, table, num_warps=num_warps, **args)
-    return table.numpy()
+        torch.zeros(1, dtype=torch.int8, device=dev) if mask is None else mask.to(dev),
+        torch.zeros(1, device=dev) if bias is None else bias.to(dev), table, num_warps=num_warps, **args)
+    return table.cpu().numpy()
 
 
 def _jax_table(bias, mask, block_m, block_n, l, s, along):
@@ -103,7 +107,9 @@ def _check(table, oracle):
 
 @pytest.fixture
 def interpreted_jax_triton(monkeypatch):
-    monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    """jax-triton's launch through the interpreter stand-in (CPU); on a CUDA machine the real one."""
+    if not torch.cuda.is_available():
+        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
 
 
 @pytest.mark.parametrize("along", ["k", "q"])

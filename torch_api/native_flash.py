@@ -19,16 +19,20 @@ import torch
 from ..bridge.triton_autograd import TritonOp
 from ..bridge.triton_launch import KernelLaunch, optional
 from ..jax_core.kernels import flash_plan as plan
-from ..jax_core.kernels import flash_entries_triton as entries_triton
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
-from ..jax_core.kernels.skip_table_triton import (skip_table_entry_dynamic, skip_table_entry_static, skip_table_launch,
-                                                  skip_table_shape)
+
+try:
+    from ..jax_core.kernels import flash_entries_triton as entries_triton
+    from ..jax_core.kernels.skip_table_triton import (skip_table_entry_dynamic, skip_table_entry_static,
+                                                      skip_table_launch, skip_table_shape)
+except ImportError:  # no triton: `launch.can_launch` is False and nothing below is launched
+    entries_triton = None
 
 _FWD_TENSORS = ("Q", "K", "V", "Bias", "Mask", "Sinks", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis", "Out", "Lse")
 _BWD_INPUTS = ("Q", "K", "V", "Bias", "Mask", "dOut", "Lse", "Delta", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis")
 
 
-_ENTRIES = {
+_ENTRIES = {} if entries_triton is None else {
     flavour: dict(fwd=getattr(entries_triton, f"fwd_entry_{flavour}"), delta=getattr(entries_triton, f"delta_entry_{flavour}"),
                   dkdv=getattr(entries_triton, f"dkdv_entry_{flavour}"), dq=getattr(entries_triton, f"dq_entry_{flavour}"),
                   skip=skip_table_entry_dynamic if flavour == "dynamic" else skip_table_entry_static)

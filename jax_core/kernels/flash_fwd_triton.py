@@ -37,52 +37,7 @@ import triton
 import triton.language as tl
 
 from .flash_common_triton import dropout_keep, load_seed, tanh_f32
-
-
-def next_power_of_2(n):
-    """Smallest power of two >= n (1 for n <= 1)."""
-    n = int(n)
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def head_block(d):
-    """BLOCK_D / BLOCK_DV for a head dim d on a GPU: next_power_of_2(d), at least 16.
-
-    tl.dot needs every dimension >= 16 on NVIDIA GPUs, so tiny head dims (d < 16) are padded to 16
-    (the kernel masks the padding). For d >= 9 this equals next_power_of_2(d).
-    """
-    return max(16, next_power_of_2(d))
-
-
-def fwd_block_sizes(D, Dv, dtype_bytes):
-    """Default launch parameters for an H100: (BLOCK_M, BLOCK_N, num_warps, num_stages).
-
-    Args:
-        D: query/key head dim.
-        Dv: value head dim.
-        dtype_bytes: bytes per element of Q/K/V (2 for fp16/bf16, 4 for fp32).
-
-    Returns:
-        (BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of `benchmarks/flash_fwd_tiles.py` on
-        an H100 with Triton 3.6, bf16 (JAX-level, 2026-11-22): D=64 causal L=8192 373 TFLOP/s with
-        (128, 64, 8, 3); D=128 469 causal L=8192 and 485 non-causal L=2048 with (64, 64, 4, 3)
-        (against 444 / 438 with (128, 64, 8, 3)), which also keeps the soft cap's cost at 11-13%;
-        D=256 479 causal with (128, 64, 8, 2) (deeper pipelines exceed shared memory).
-    """
-    d = max(next_power_of_2(D), next_power_of_2(Dv))
-    if dtype_bytes >= 4:
-        # float32 runs its dots as tf32x3; keep 4 warps (Triton 3.6 miscompiled a float32
-        # 8-warp BLOCK_N=16 variant on an H100).
-        if d <= 64:
-            return 64, 64, 4, 2
-        if d <= 128:
-            return 64, 32, 4, 2
-        return 32, 32, 4, 1
-    if d <= 64:
-        return 128, 64, 8, 3
-    if d <= 128:
-        return 64, 64, 4, 3
-    return 128, 64, 8, 2
+from .flash_plan import fwd_block_sizes, head_block, next_power_of_2  # noqa: F401 (re-exported)
 
 
 @triton.jit
