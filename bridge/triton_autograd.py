@@ -30,14 +30,25 @@ import torch
 from .triton_launch import wrapped_launches
 
 
-def _plain(value: Any) -> Any:
+def _json(value: Any) -> str:
+    """JSON text of a spec, built in plain Python (Dynamo traces this; it cannot trace `json.dumps`)."""
     if dataclasses.is_dataclass(value):
-        return {"__type__": type(value).__name__,
-                **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+        fields = "".join(f', "{f.name}": {_json(getattr(value, f.name))}' for f in dataclasses.fields(value))
+        return '{"__type__": "' + type(value).__name__ + '"' + fields + "}"
     if isinstance(value, tuple):
-        return {"__tuple__": [_plain(v) for v in value]}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+        return '{"__tuple__": [' + ", ".join(_json(v) for v in value) + "]}"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+        return repr(value)
+    if isinstance(value, str) and '"' not in value and "\\" not in value:
+        return '"' + value + '"'
     raise TypeError(f"spec field value {value!r}: expected a plain value, a tuple or a dataclass.")
 
 
@@ -49,7 +60,7 @@ class SpecCodec:
         self.decode = functools.lru_cache(maxsize=1024)(self._decode)
 
     def encode(self, spec: Any) -> str:
-        return json.dumps(_plain(spec), sort_keys=True)
+        return _json(spec)
 
     def _decode(self, text: str) -> Any:
         return self._build(json.loads(text))

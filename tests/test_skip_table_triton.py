@@ -60,16 +60,18 @@ def _oracle(bias, mask, block_m, block_n, l, s, along):
 
 def _torch_table(bias, mask, block_m, block_n, l, s, along):
     """The table from torch CPU tensors through the runtime-size entry (as the torch launcher does)."""
+    dev = DEVICE
+    # Strides are read from the tensors on the device (a move may lay a view out anew).
+    mask, bias = (None if x is None else x.to(dev) for x in (mask, bias))
     given = [x for x in (mask, bias) if x is not None]
     b, h = max(x.shape[0] for x in given), max(x.shape[1] for x in given)
     strides = lambda x: None if x is None else st.broadcast_strides(x.shape, x.stride())  # noqa: E731
     grid, num_warps, args = st.skip_table_launch(b, h, l, s, block_m, block_n, along,
                                                  mask_strides=strides(mask), bias_strides=strides(bias))
-    dev = DEVICE
     table = torch.full(st.skip_table_shape(b, h, l, s, block_m, block_n, along), -1, dtype=torch.int32, device=dev)
     st.skip_table_entry_dynamic[grid](
-        torch.zeros(1, dtype=torch.int8, device=dev) if mask is None else mask.to(dev),
-        torch.zeros(1, device=dev) if bias is None else bias.to(dev), table, num_warps=num_warps, **args)
+        torch.zeros(1, dtype=torch.int8, device=dev) if mask is None else mask,
+        torch.zeros(1, device=dev) if bias is None else bias, table, num_warps=num_warps, **args)
     return table.cpu().numpy()
 
 
