@@ -52,6 +52,10 @@ def _json(value: Any) -> str:
     raise TypeError(f"spec field value {value!r}: expected a plain value, a tuple or a dataclass.")
 
 
+#: Tensor inputs a TritonOp may take (its spec says how many: `spec.num_inputs`).
+MAX_INPUTS = 8
+
+
 class SpecCodec:
     """Frozen dataclasses of plain values <-> JSON strings (a triton_op takes strings, not objects)."""
 
@@ -100,7 +104,8 @@ class TritonOp:
     def __call__(self, spec: Any, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if torch.compiler.is_compiling():
             fwd, _ = self._library_ops()
-            outs = fwd(list(inputs), self.codec.encode(spec))
+            padded = tuple(inputs) + (None,) * (MAX_INPUTS - len(inputs))
+            outs = fwd(*padded, self.codec.encode(spec))
             return tuple(outs[: self.num_outputs])
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
             return _EagerFunction.apply(self, spec, *inputs)[: self.num_outputs]
@@ -117,38 +122,47 @@ class TritonOp:
         from torch.library import triton_op
 
         codec, forward, backward, n_out = self.codec, self.forward, self.backward, self.num_outputs
-
-        def fwd_body(inputs: List[Optional[torch.Tensor]], spec: str) -> List[torch.Tensor]:
+        # Inputs are separate optional tensor arguments (autograd tracks each; a Tensor?[] list it does
+        # not), MAX_INPUTS of them, the unused ones None.
+        def fwd_body(t0: Optional[torch.Tensor], t1: Optional[torch.Tensor], t2: Optional[torch.Tensor],
+                     t3: Optional[torch.Tensor], t4: Optional[torch.Tensor], t5: Optional[torch.Tensor],
+                     t6: Optional[torch.Tensor], t7: Optional[torch.Tensor], spec: str) -> List[torch.Tensor]:
             with wrapped_launches():
-                return list(forward(codec.decode(spec), *inputs))
+                decoded = codec.decode(spec)
+                return list(forward(decoded, *_trim((t0, t1, t2, t3, t4, t5, t6, t7), decoded)))
 
         def bwd_body(inputs: List[Optional[torch.Tensor]], outputs: List[torch.Tensor],
                      grads: List[Optional[torch.Tensor]], needs: List[bool], spec: str) -> List[torch.Tensor]:
             with wrapped_launches():
-                return list(backward(codec.decode(spec), inputs, outputs, grads, needs))
+                decoded = codec.decode(spec)
+                return list(backward(decoded, _trim(tuple(inputs), decoded), outputs, grads,
+                                     list(_trim(tuple(needs), decoded))))
 
         fwd_op = triton_op(self.name, fwd_body, mutates_args=())
         bwd_op = triton_op(self.name + "_backward", bwd_body, mutates_args=())
 
         def setup_context(ctx, inputs, output):
-            ins, spec = inputs
-            ctx.n_in, ctx.spec = len(ins), spec
+            *ins, spec = inputs
+            ctx.spec = spec
             ctx.needs = [t is not None and t.requires_grad for t in ins]
             ctx.none = [t is None for t in ins]
             ctx.save_for_backward(*[t for t in ins if t is not None], *output)
 
         def backward_formula(ctx, grads):
             saved = list(ctx.saved_tensors)
-            present = ctx.n_in - sum(ctx.none)
+            present = len(ctx.none) - sum(ctx.none)
             it = iter(saved[:present])
             ins = [None if none else next(it) for none in ctx.none]
-            outs = saved[present:]
-            got = bwd_op(ins, outs, list(grads[:n_out]), ctx.needs, ctx.spec)
-            it = iter(got)
-            return [next(it) if need else None for need in ctx.needs], None
+            got = iter(bwd_op(ins, saved[present:], list(grads[:n_out]), ctx.needs, ctx.spec))
+            return (*[next(got) if need else None for need in ctx.needs], None)
 
         fwd_op.register_autograd(backward_formula, setup_context=setup_context)
         return fwd_op, bwd_op
+
+
+def _trim(padded: tuple, spec: Any) -> tuple:
+    """The op's own inputs from the MAX_INPUTS padded ones (`spec.num_inputs` of them)."""
+    return padded[: spec.num_inputs]
 
 
 class _EagerFunction(torch.autograd.Function):

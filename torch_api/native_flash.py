@@ -45,11 +45,14 @@ class NativeFlashSpec:
     """Everything static about a native flash call besides the tensors' shapes and strides."""
 
     cfg: FlashConfig
+    num_inputs: int = 7  # q, k, v, bias, mask, sinks, seed
 
 
 def _operand(t: torch.Tensor) -> Operand:
-    """A (B, H, T, D)-ordered tensor's sizes and strides, stride 0 on size-1 dims."""
-    return Operand(tuple(t.shape), tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride())))
+    """A (B, H, T, D)-ordered tensor's sizes and strides, stride 0 on size-1 dims (symbolic sizes of a
+    traced call become ints: the kernels are specialised to them)."""
+    shape, stride = tuple(int(n) for n in t.shape), tuple(int(st) for st in t.stride())
+    return Operand(shape, tuple(0 if n == 1 else st for n, st in zip(shape, stride)))
 
 
 def _call(q, k, v, bias, mask, sinks) -> plan.FlashCall:
@@ -60,7 +63,7 @@ def _call(q, k, v, bias, mask, sinks) -> plan.FlashCall:
 
 
 def _key(t: Optional[torch.Tensor]):
-    return None if t is None else (tuple(t.shape), t.stride(), t.dtype)
+    return None if t is None else (tuple(int(n) for n in t.shape), tuple(int(st) for st in t.stride()), t.dtype)
 
 
 # Launches per (spec, operand signature): planning a call costs more host time than launching it.
@@ -83,7 +86,7 @@ def _entries(q_len: int) -> dict:
 
 def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:
     """Strides of Out, a (B, Hq, L, Dv) view of (B, L, Hq, Dv) memory (`_out_buffer`), 0 on size-1 dims."""
-    b, hq, l, _ = q.shape
+    b, hq, l, _ = (int(n) for n in q.shape)
     full = (l * hq * dv, dv, hq * dv, 1)
     return tuple(0 if n == 1 else st for n, st in zip((b, hq, l, dv), full))
 
