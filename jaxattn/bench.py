@@ -2,6 +2,7 @@
 
     jaxattn bench --quick                 # small shapes, CPU-friendly (CI smoke test)
     jaxattn bench --full --out docs/bench  # the BENCHMARKS.md run (under 3 minutes on an H100)
+    jaxattn bench --models --out docs/bench  # whole Llama models, transformers' sdpa vs jaxattn (bench_models.py)
 
 Sweeps implementations x shapes x dtypes x {forward, forward+backward} x decode shapes. Ours go
 through the torch API (`jaxattn.torch_api.scaled_dot_product_attention(implementation=name)`,
@@ -23,6 +24,8 @@ import sys
 import time
 import warnings
 from typing import Callable, Optional, Sequence
+
+from . import bench_models
 
 TORCH_BACKENDS = {  # our name -> torch.nn.attention.SDPBackend member
     "torch-math": "MATH", "torch-efficient": "EFFICIENT_ATTENTION", "torch-flash": "FLASH_ATTENTION",
@@ -426,6 +429,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--from-json", metavar="FILE", help="measure nothing: re-draw the table, summary.md "
                         "and plots of a previous run's bench.json (into --out, default the file's folder)")
+    bench_models.add_arguments(parser)  # --models: whole transformers models (jaxattn/bench_models.py)
 
 
 def _redraw(path: str, out_dir: Optional[str], plots: bool) -> int:
@@ -445,6 +449,8 @@ def _redraw(path: str, out_dir: Optional[str], plots: bool) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Runs `jaxattn bench` with parsed arguments; returns the exit status."""
+    if bench_models.wanted(args):
+        return bench_models.main(args)
     if args.from_json:
         return _redraw(args.from_json, args.out, plots=not args.no_plots)
     try:
