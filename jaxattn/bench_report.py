@@ -89,7 +89,7 @@ class Progress:
 
 def _versions() -> dict:
     from ._version import __version__
-from .jax_core.kernels.jax_triton_module import jax_triton
+    from .jax_core.kernels.jax_triton_module import jax_triton
 
     out = {"jaxattn": __version__, "python": platform.python_version()}
     for name in ("torch", "jax", "jaxlib", "triton", "jax_triton", "numpy"):
