@@ -47,6 +47,11 @@ class wrapped_launches:
         _trace.wrapped = self._before
 
 
+def traced() -> bool:
+    """Whether launches go through `wrap_triton` now (inside a triton_op body: sizes may be symbolic)."""
+    return _trace.wrapped
+
+
 def interpreted() -> bool:
     """Whether Triton runs kernels under its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

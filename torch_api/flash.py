@@ -35,8 +35,7 @@ import torch
 
 from ..bridge import jax_op
 from ..jax_core import AttentionMetadata, attention
-from ..jax_core.kernels.flash_plan import FlashConfig
-from .launch import current_launcher, describe as describe_call, use_native
+from .launch import native_config
 from .native_flash import flash_forward
 from .selection import normalize_choice
 from .validation import AttentionInputError, check_finite, check_qkv, describe
@@ -333,11 +332,11 @@ def flash_attention(
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=q.device)
     if not varlen and q_ids is None:
-        native = _native_config(q, k, v, causal, causal_alignment, window, softcap, sinks, scale, dropout_p,
-                                return_lse, choice)
+        native = native_config(tuple(q.shape), tuple(k.shape), v.shape[3], q.dtype, q.device, choice, causal=causal,
+                               bottom_right=causal_alignment == "bottom_right", window=window, softcap=softcap,
+                               sinks=sinks is not None, dropout_p=dropout_p, lse=return_lse, scale=scale)
         if native is not None:
-            merged = None if sinks is None else (sinks if sinks.dim() == 1 else torch.logsumexp(sinks.float(), -1))
-            out, lse = flash_forward(q, k, v, native, sinks=None if merged is None else merged.float(), seed=seed)
+            out, lse = flash_forward(q, k, v, native, sinks=sinks, seed=seed)
             return (out, lse) if return_lse else out
     static = dict(
         causal=bool(causal), causal_alignment=causal_alignment, window=window,
@@ -348,27 +347,3 @@ def flash_attention(
     op = _flash_lse_jax if return_lse else _flash_jax
     return op(q, k, v, sinks, q_ids, kv_ids, cu_seqlens_q, cu_seqlens_k, seed, **static)
 
-
-def _native_config(q, k, v, causal, causal_alignment, window, softcap, sinks, scale, dropout_p, return_lse,
-                   choice) -> Optional[FlashConfig]:
-    """The flash kernels' settings when the native launcher runs this (B, H, L, E) call, else None."""
-    bottom_right = causal_alignment == "bottom_right" and q.shape[2] != k.shape[2]
-    features = set()
-    if causal:
-        features.add("causal_bottom_right" if bottom_right else "causal")
-    elif bottom_right and window is not None:
-        features.add("causal_bottom_right")
-    for name, on in (("sliding_window", window is not None), ("softcap", softcap is not None),
-                     ("sinks", sinks is not None), ("dropout", dropout_p > 0), ("lse", return_lse)):
-        if on:
-            features.add(name)
-    inputs = describe_call(tuple(q.shape), tuple(k.shape), v.shape[3], q.dtype, features)
-    if not use_native(inputs, q.device, choice, current_launcher()):
-        return None
-    return FlashConfig(
-        scale=float(scale) if scale is not None else q.shape[3] ** -0.5, causal=bool(causal),
-        diag_offset=k.shape[2] - q.shape[2] if causal_alignment == "bottom_right" else 0,
-        window=tuple(window) if window is not None else (-1, -1),
-        softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
-        fast_tanh=q.device.type == "cuda",
-    )

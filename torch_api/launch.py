@@ -24,6 +24,7 @@ import torch
 from ..bridge.triton_launch import can_launch
 from ..jax_core import AttentionInputs, AttentionRegistry
 from ..jax_core.flash import FlashAttn
+from ..jax_core.kernels.flash_plan import FlashConfig
 
 Launcher = Literal["auto", "native", "xla"]
 LAUNCHERS = ("auto", "native", "xla")
@@ -137,3 +138,38 @@ def _xla_choice(inputs: AttentionInputs) -> Optional[str]:
         return AttentionRegistry.select(inputs).canonical_name()
     except (ValueError, NotImplementedError):
         return None
+
+
+def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, device: torch.device, choice, *,
+                  causal: bool = False, bottom_right: bool = False, window: Optional[tuple[int, int]] = None,
+                  softcap: Optional[float] = None, sinks: bool = False, mask: Optional[torch.dtype] = None,
+                  dropout_p: float = 0.0, lse: bool = False, scale: Optional[float] = None) -> Optional[FlashConfig]:
+    """The flash kernels' settings when the native launcher runs a (B, Hq, L, E) / (B, Hk, S, E) call,
+    else None (the XLA bridge runs it).
+
+    Args:
+        bottom_right: causal / window aligned bottom-right (diagonal offset S - L).
+        mask: None, or the dtype of the call's mask (bool: a bool mask; else an additive bias).
+        Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
+    """
+    l, s = q_shape[2], k_shape[2]
+    shifted = bottom_right and l != s
+    features = set()
+    if causal:
+        features.add("causal_bottom_right" if shifted else "causal")
+    elif shifted and window is not None:
+        features.add("causal_bottom_right")
+    if mask is not None:
+        features.add("bool_mask" if mask == torch.bool else "bias")
+    for name, on in (("sliding_window", window is not None), ("softcap", softcap is not None), ("sinks", sinks),
+                     ("dropout", dropout_p > 0), ("lse", lse)):
+        if on:
+            features.add(name)
+    if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
+        return None
+    return FlashConfig(
+        scale=float(scale) if scale is not None else q_shape[3] ** -0.5, causal=bool(causal),
+        diag_offset=s - l if bottom_right else 0, window=tuple(window) if window is not None else (-1, -1),
+        softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
+        fast_tanh=device.type == "cuda",
+    )

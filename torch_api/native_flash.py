@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..bridge.triton_autograd import TritonOp
-from ..bridge.triton_launch import KernelLaunch, optional
+from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
 
@@ -63,7 +63,7 @@ def _call(q, k, v, bias, mask, sinks) -> plan.FlashCall:
 
 
 def _key(t: Optional[torch.Tensor]):
-    return None if t is None else (tuple(int(n) for n in t.shape), tuple(int(st) for st in t.stride()), t.dtype)
+    return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
 # Launches per (spec, operand signature): planning a call costs more host time than launching it.
@@ -94,23 +94,33 @@ def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:
 def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, do_strides=None, write_ds: bool = False) -> dict:
     """The call's launches (cached per signature); `do_strides` of dOut for the backward ones."""
     entries = _entries(q.shape[2])
+    if traced():  # symbolic sizes are not hashable, and a traced call plans once anyway
+        return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, do_strides, write_ds)
     key = (spec, _key(q), _key(k), _key(v), _key(bias), _key(mask), sinks is not None, do_strides, write_ds,
            entries["fwd"])
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
+    found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, do_strides, write_ds)
+    if len(_LAUNCHES) >= _MAX_LAUNCHES:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = found
+    return found
+
+
+def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, sinks, do_strides,
+                   write_ds: bool) -> dict:
+    """Plans every launch of the call (forward, Delta, dK/dV, dQ, skip tables)."""
     call, cfg = _call(q, k, v, bias, mask, sinks), spec.cfg
     out_strides = _out_strides(q, v.shape[3])
     do_strides = do_strides or out_strides
     b, hq, l, _ = call.q.dims
     dv = call.v.dims[3]
-    fwd = plan.forward_launch(call, cfg, out_strides)
     # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
     dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
-    skip = _skip_plans(call, cfg, entries)
-    if skip is not None:  # the tables are contiguous, written by the skip-table kernel
-        fwd = plan.forward_launch(call, cfg, out_strides, skip["fwd"][1])
-    found = dict(
+    skip = _skip_plans(call, cfg, entries)  # the tables are contiguous, written by the skip-table kernel
+    fwd = plan.forward_launch(call, cfg, out_strides, skip and skip["fwd"][1])
+    return dict(
         skip=skip,
         fwd=KernelLaunch(entries["fwd"], fwd.grid, fwd.num_warps, fwd.num_stages, _FWD_TENSORS, fwd.args),
         delta=_kernel(entries["delta"], plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
@@ -123,10 +133,6 @@ def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, do_strides=None
                                                     if write_ds else None, skip and skip["dq"][1]),
                    _BWD_INPUTS + ("dQ", "dS")),
     )
-    if len(_LAUNCHES) >= _MAX_LAUNCHES:
-        _LAUNCHES.clear()
-    _LAUNCHES[key] = found
-    return found
 
 
 def _skip_plans(call: plan.FlashCall, cfg: FlashConfig, entries: dict) -> Optional[dict]:
@@ -249,12 +255,14 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
         cfg: the kernels' settings (`cfg.layout` is not used: tensors are (B, H, T, D) views).
         bias: None or float (B|1, Hq|1, L|1, S|1) of q's dtype, added to the logits.
         mask: None or bool/int8 (B|1, Hq|1, L|1, S|1), True = attend.
-        sinks: None or float32 (Hq,) sink logits.
+        sinks: None or float (Hq,) or (Hq, n) sink logits (n per head merge by log-sum-exp).
         seed: (2,) int32 Philox seed, needed when cfg.dropout_p > 0.
 
     Returns:
         out (B, Hq, L, Dv) of q's dtype (a view of (B, L, Hq, Dv) memory), lse (B, Hq, L) float32.
     """
+    if sinks is not None:  # several sink logits per head join the denominator as their log-sum-exp
+        sinks = (sinks if sinks.dim() == 1 else torch.logsumexp(sinks.float(), -1)).float()
     if mask is not None and mask.dtype == torch.bool:
         # Same bytes, read as int8 by the kernels; Inductor cannot lower a bool->int8 view, so a
         # traced call converts (fused into the mask's producer).

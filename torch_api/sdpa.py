@@ -33,9 +33,8 @@ from ..bridge.call_plan import NotPlain, arg_key, static_key
 from ..bridge.dlpack import narrow_broadcast
 from ..jax_core import AttentionMetadata, attention
 from .bucketing import bucket_length, current_sequence_buckets
-from .launch import current_launcher, describe, use_native
+from .launch import current_launcher, native_config
 from .native_flash import flash_forward
-from ..jax_core.kernels.flash_plan import FlashConfig
 from .selection import current_implementation, normalize_choice
 from .validation import check_finite, check_mask_shape, check_options, check_qkv, finite_check_applies
 
@@ -160,7 +159,9 @@ class _Plan:
             check_mask_shape(attn_mask, (*batch, hq, seq_q, seq_k))
         self.lead, self.flat = tuple(batch), math.prod(batch)
         self.hq, self.hk, self.e, self.ev = hq, hk, e, ev
-        self.native = self._native_config(query, (hk, seq_k), attn_mask, dropout_p, is_causal, scale, choice)
+        self.native = native_config(
+            (self.flat, hq, seq_q, e), (self.flat, hk, seq_k, e), ev, query.dtype, query.device, choice,
+            causal=is_causal, mask=None if attn_mask is None else attn_mask.dtype, dropout_p=dropout_p, scale=scale)
         if self.native is not None:
             buckets = None  # the native launch compiles once for every length: nothing to bucket
         self.seq_q, self.seq_k = seq_q, seq_k
@@ -185,20 +186,6 @@ class _Plan:
             implementation=choice, platform="cpu" if query.device.type == "cpu" else "gpu",
         )
         self.dropout = dropout_p > 0
-
-    def _native_config(self, query, kv, attn_mask, dropout_p, is_causal, scale, choice) -> Optional[FlashConfig]:
-        """The flash kernels' settings when the native launcher runs this call, else None."""
-        features = {"causal"} if is_causal else set()
-        if attn_mask is not None:
-            features.add("bool_mask" if attn_mask.dtype == torch.bool else "bias")
-        if dropout_p > 0:
-            features.add("dropout")
-        inputs = describe((self.flat, self.hq, query.shape[-2], self.e), (self.flat, *kv), self.ev, query.dtype,
-                          features)
-        if not use_native(inputs, query.device, choice, current_launcher()):
-            return None
-        return FlashConfig(scale=float(scale) if scale is not None else self.e ** -0.5, causal=bool(is_causal),
-                           dropout_p=float(dropout_p))
 
     # -- per call -----------------------------------------------------------------------------------
 

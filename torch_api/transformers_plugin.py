@@ -37,8 +37,7 @@ import torch
 
 from ..bridge import jax_op
 from ..jax_core import AttentionMetadata, attention
-from ..jax_core.kernels.flash_plan import FlashConfig
-from .launch import current_launcher, describe as describe_call, use_native
+from .launch import native_config
 from .native_flash import flash_forward
 from .sdpa import scaled_dot_product_attention
 from .selection import current_implementation, normalize_choice
@@ -192,36 +191,19 @@ def _with_features(query, key, value, mask, sinks, *, causal, scale, softcap, dr
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=query.device)
-    native = _native_config(query, key, value, mask, sinks, causal=causal, scale=scale, softcap=softcap,
-                            dropout_p=dropout_p, implementation=implementation)
+    native = native_config(tuple(query.shape), tuple(key.shape), value.shape[3], query.dtype, query.device,
+                           implementation, causal=causal, softcap=softcap, sinks=sinks is not None,
+                           mask=None if mask is None else mask.dtype, dropout_p=dropout_p, scale=scale)
     if native is not None:
         is_bool = mask is not None and mask.dtype == torch.bool
-        merged = None if sinks is None else (sinks if sinks.dim() == 1 else torch.logsumexp(sinks.float(), -1))
         out, _ = flash_forward(query, key, value, native, bias=None if is_bool else mask, mask=mask if is_bool else None,
-                               sinks=None if merged is None else merged.float(), seed=seed)
+                               sinks=sinks, seed=seed)
         return out
     return _features_jax(
         query, key, value, mask, sinks, seed, causal=causal, scale=None if scale is None else float(scale),
         softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
         implementation=implementation, platform="cpu" if query.device.type == "cpu" else "gpu",
     )
-
-
-def _native_config(query, key, value, mask, sinks, *, causal, scale, softcap, dropout_p,
-                   implementation) -> Optional[FlashConfig]:
-    """The flash kernels' settings when the native launcher runs this call, else None."""
-    features = {"causal"} if causal else set()
-    for name, on in (("softcap", softcap is not None), ("sinks", sinks is not None), ("dropout", dropout_p > 0)):
-        if on:
-            features.add(name)
-    if mask is not None:
-        features.add("bool_mask" if mask.dtype == torch.bool else "bias")
-    inputs = describe_call(tuple(query.shape), tuple(key.shape), value.shape[3], query.dtype, features)
-    if not use_native(inputs, query.device, implementation, current_launcher()):
-        return None
-    return FlashConfig(scale=float(scale) if scale is not None else query.shape[3] ** -0.5, causal=bool(causal),
-                       softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
-                       fast_tanh=query.device.type == "cuda")
 
 
 def register_transformers(name: str = DEFAULT_NAME, implementation: Union[None, str, Sequence[str]] = None) -> str:
