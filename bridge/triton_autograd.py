@@ -31,12 +31,10 @@ from .triton_launch import wrapped_launches
 
 
 def _json(value: Any) -> str:
-    """JSON text of a spec, built in plain Python (Dynamo traces this; it cannot trace `json.dumps`)."""
-    if dataclasses.is_dataclass(value):
-        fields = "".join(f', "{f.name}": {_json(getattr(value, f.name))}' for f in dataclasses.fields(value))
-        return '{"__type__": "' + type(value).__name__ + '"' + fields + "}"
-    if isinstance(value, tuple):
-        return '{"__tuple__": [' + ", ".join(_json(v) for v in value) + "]}"
+    """JSON text of a spec, built in plain Python (Dynamo traces this; it cannot trace `json.dumps`).
+
+    Plain values are tested first: Dynamo cannot trace `dataclasses.is_dataclass(None)`.
+    """
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -49,6 +47,11 @@ def _json(value: Any) -> str:
         return repr(value)
     if isinstance(value, str) and '"' not in value and "\\" not in value:
         return '"' + value + '"'
+    if isinstance(value, tuple):
+        return '{"__tuple__": [' + ", ".join(_json(v) for v in value) + "]}"
+    if dataclasses.is_dataclass(value):
+        fields = "".join(f', "{f.name}": {_json(getattr(value, f.name))}' for f in dataclasses.fields(value))
+        return '{"__type__": "' + type(value).__name__ + '"' + fields + "}"
     raise TypeError(f"spec field value {value!r}: expected a plain value, a tuple or a dataclass.")
 
 
