@@ -22,11 +22,18 @@ around them and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import threading
 from typing import Any, Optional, Sequence
 
 import torch
+
+try:
+    from triton import knobs
+except ImportError:  # no triton: nothing is launched (`can_launch` is False)
+    knobs = None
 
 
 class _TraceState(threading.local):
@@ -69,10 +76,6 @@ def can_launch(device: torch.device) -> bool:
     return device.type == "cpu" and interpreted()
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
-
-
 class KernelLaunch:
     """One kernel's launch with everything fixed but its tensors.
 
@@ -82,30 +85,38 @@ class KernelLaunch:
         num_warps, num_stages: Triton launch options.
         tensors: the names of the kernel's tensor arguments, in the order `__call__` takes them.
         scalars: every other argument of the kernel (runtime ints/floats and constexprs) by name.
+        fixed: tensor arguments that are the same for every call (placeholders of unused features),
+            by name; `__call__` does not take them.
     """
 
-    __slots__ = ("kernel", "grid", "num_warps", "num_stages", "tensors", "scalars", "_slots", "_compiled",
-                 "_alignment")
+    __slots__ = ("kernel", "grid", "num_warps", "num_stages", "tensors", "scalars", "fixed", "_values", "_order",
+                 "_single", "_compiled")
 
     def __init__(self, kernel, grid: Sequence[int], num_warps: int, num_stages: int, tensors: Sequence[str],
-                 scalars: dict[str, Any]):
+                 scalars: dict[str, Any], fixed: Optional[dict[str, torch.Tensor]] = None):
         self.kernel = kernel
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.num_warps, self.num_stages = int(num_warps), int(num_stages)
         self.tensors = tuple(tensors)
         self.scalars = dict(scalars)
+        self.fixed = dict(fixed or {})
         names = list(getattr(kernel, "arg_names", ()))
-        missing = [n for n in names if n not in self.scalars and n not in self.tensors]
-        extra = [n for n in list(self.scalars) + list(self.tensors) if names and n not in names]
-        if missing or extra:
-            raise TypeError(f"{getattr(kernel, '__name__', kernel)}: arguments missing {missing}, unknown {extra}.")
-        # Positional order of the kernel's signature: a tensor slot index, or the scalar value.
-        self._slots = [(self.tensors.index(n), None) if n in self.tensors else (None, self.scalars[n]) for n in names]
+        given = list(self.tensors) + list(self.fixed) + list(self.scalars)
+        missing = [n for n in names if n not in given]
+        extra = [n for n in given if names and n not in names]
+        if missing or extra or len(set(given)) != len(given):
+            raise TypeError(f"{getattr(kernel, '__name__', kernel)}: arguments missing {missing}, unknown {extra} "
+                            f"(each named once among tensors, fixed and scalars).")
+        # The kernel's positional arguments are picked from (*pointers, *other values) in one C call.
+        others = [n for n in names if n not in self.tensors]
+        self._values = [self.fixed.get(n, self.scalars.get(n)) for n in others]
+        picks = [self.tensors.index(n) if n in self.tensors else len(self.tensors) + others.index(n) for n in names]
+        self._order = operator.itemgetter(*picks)
+        self._single = len(picks) == 1  # itemgetter of one index gives the item, not a tuple
         self._compiled = None
-        self._alignment = None
 
     def _kwargs(self, tensors) -> dict:
-        return dict(zip(self.tensors, tensors), **self.scalars)
+        return dict(zip(self.tensors, tensors), **self.fixed, **self.scalars)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if len(tensors) != len(self.tensors):
@@ -120,34 +131,53 @@ class KernelLaunch:
         if device.type != "cuda":  # the interpreter
             self.kernel[self.grid](**self._kwargs(tensors))
             return
-        alignment = tuple(_aligned(t) for t in tensors)
-        if self._compiled is not None and alignment == self._alignment:
-            self._fast(tensors, device)
+        pointers = [t.data_ptr() for t in tensors]
+        # The kept compilation assumes every pointer 16-byte aligned (Triton specialises on it); an
+        # unaligned one goes through Triton's own lookup, which picks or compiles the right variant.
+        # Launch hooks (profilers) see the tensors only through Triton's own path.
+        if self._compiled is not None and not functools.reduce(operator.or_, pointers) & 15 and _no_launch_hooks():
+            self._fast(pointers, device)
             return
         with torch.cuda.device(device):
             compiled = self.kernel[self.grid](**self._kwargs(tensors), num_warps=self.num_warps,
                                               num_stages=self.num_stages)
-        if self._compiled is None:
-            self._compiled, self._alignment = compiled, alignment
+        # Fixed tensors go as their pointers too (they live as long as this launch).
+        values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self._values]
+        fixed_pointers = [v.data_ptr() for v in self.fixed.values()]
+        if self._compiled is None and not functools.reduce(operator.or_, pointers + fixed_pointers) & 15:
+            self._values, self._compiled = values, compiled
 
-    def _fast(self, tensors, device: torch.device) -> None:
-        """Calls the compiled kernel's launcher directly (what Triton's run does after its lookup)."""
-        from triton import knobs
+    def _fast(self, pointers: list, device: torch.device) -> None:
+        """Calls the compiled kernel's launcher directly (what Triton's run does after its lookup).
 
+        Pointers go as ints: Triton's launcher then skips the per-tensor `data_ptr` call and driver
+        query it does for tensor objects (most of its host time for a many-argument kernel).
+        """
         k = self._compiled
-        args = [tensors[i] if i is not None else v for i, v in self._slots]
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        args = self._order(pointers + self._values)
+        if self._single:
+            args = (args,)
+        index = device.index
+        current = torch._C._cuda_getDevice()
+        if index is None:
+            index = current
         stream = _raw_stream(index)
-        hooks = knobs.runtime
-        metadata = None if hooks.launch_enter_hook is None else k.launch_metadata(self.grid, stream, *args)
         g0, g1, g2 = self.grid
-        if index == torch.cuda.current_device():
-            k.run(g0, g1, g2, stream, k.function, k.packed_metadata, metadata, hooks.launch_enter_hook,
-                  hooks.launch_exit_hook, *args)
+        if index == current:
+            k.run(g0, g1, g2, stream, k.function, k.packed_metadata, None, None, None, *args)
             return
         with torch.cuda.device(index):
-            k.run(g0, g1, g2, stream, k.function, k.packed_metadata, metadata, hooks.launch_enter_hook,
-                  hooks.launch_exit_hook, *args)
+            k.run(g0, g1, g2, stream, k.function, k.packed_metadata, None, None, None, *args)
+
+
+def _idle(hook) -> bool:
+    """Whether a Triton launch hook does nothing: None, or a hook chain with no hooks in it."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def _no_launch_hooks() -> bool:
+    runtime = knobs.runtime
+    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
 
 
 def _raw_stream(index: int) -> int:

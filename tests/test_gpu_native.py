@@ -31,6 +31,25 @@ def test_automatic_selection_runs_natively_without_xla():
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
+def test_repeated_eager_calls_take_the_direct_launch(monkeypatch):
+    """After the first call, every launch of an eager forward and backward (the backward runs on
+    autograd's device thread) goes straight to the compiled kernel, not through Triton's binder."""
+    from jaxattn.bridge.triton_launch import KernelLaunch
+
+    q, k, v = _qkv(b=1, hq=4, hk=2, l=128, s=128, grad=True)
+    call = lambda: scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    call().float().sum().backward()
+    direct, binder = [], []
+    fast = KernelLaunch._fast
+    monkeypatch.setattr(KernelLaunch, "_fast", lambda self, *a: (direct.append(1), fast(self, *a))[1])
+    monkeypatch.setattr(KernelLaunch, "_kwargs", lambda self, t: binder.append(1) or dict(zip(self.tensors, t), **self.scalars))
+    out = call()
+    out.float().sum().backward()
+    assert binder == [] and len(direct) == 4  # forward, Delta, dK/dV, dQ
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_side_stream_inputs_consumed_at_once():
     """Inputs written on a side stream, the call and its consumer on that stream: 1000 iterations
     equal the reference (a kernel on the wrong stream would read half-written inputs)."""

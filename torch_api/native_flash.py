@@ -91,48 +91,73 @@ def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:
     return tuple(0 if n == 1 else st for n, st in zip((b, hq, l, dv), full))
 
 
-def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, do_strides=None, write_ds: bool = False) -> dict:
+def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_strides=None, write_ds: bool = False) -> dict:
     """The call's launches (cached per signature); `do_strides` of dOut for the backward ones."""
     entries = _entries(q.shape[2])
     if traced():  # symbolic sizes are not hashable, and a traced call plans once anyway
-        return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, do_strides, write_ds)
-    key = (spec, _key(q), _key(k), _key(v), _key(bias), _key(mask), sinks is not None, do_strides, write_ds,
-           entries["fwd"])
+        return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds)
+    key = (spec, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(), _key(bias),
+           _key(mask), sinks is not None, seed is not None, do_strides, write_ds, entries["fwd"])
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
-    found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, do_strides, write_ds)
+    found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds)
     if len(_LAUNCHES) >= _MAX_LAUNCHES:
         _LAUNCHES.clear()
     _LAUNCHES[key] = found
     return found
 
 
-def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, sinks, do_strides,
+#: Dtypes of the placeholders passed for switched-off pointer arguments (never read by the kernels).
+_PLACEHOLDER_DTYPES = dict(Bias=None, Mask=torch.int8, Sinks=torch.float32, SegQ=torch.int32, SegK=torch.int32,
+                           CuQ=torch.int32, CuK=torch.int32, Seed=torch.int32, Vis=torch.int32, dS=torch.float32)
+
+
+def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, sinks, seed, do_strides,
                    write_ds: bool) -> dict:
-    """Plans every launch of the call (forward, Delta, dK/dV, dQ, skip tables)."""
+    """Plans every launch of the call (forward, Delta, dK/dV, dQ, skip tables).
+
+    Tensors a call does not have (features switched off) are fixed placeholders of each launch; the
+    launches take the others in their kernel order (see `_given`).
+    """
     call, cfg = _call(q, k, v, bias, mask, sinks), spec.cfg
     out_strides = _out_strides(q, v.shape[3])
-    do_strides = do_strides or out_strides
     b, hq, l, _ = call.q.dims
     dv = call.v.dims[3]
+    # dOut has Out's sizes; its strides are the gradient's own (read in place).
+    do_strides = out_strides if do_strides is None else tuple(
+        0 if n == 1 else int(st) for n, st in zip((b, hq, l, dv), do_strides))
     # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
     dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
     skip = _skip_plans(call, cfg, entries)  # the tables are contiguous, written by the skip-table kernel
-    fwd = plan.forward_launch(call, cfg, out_strides, skip and skip["fwd"][1])
+    absent = {"SegQ", "SegK", "CuQ", "CuK"}  # segments and varlen stay on the XLA bridge
+    absent |= {name for name, t in (("Bias", bias), ("Mask", mask), ("Sinks", sinks), ("Seed", seed)) if t is None}
+    absent |= set() if skip else {"Vis"}
+    absent |= set() if write_ds else {"dS"}
+
+    def launch(kernel, planned: plan.Launch, names) -> KernelLaunch:
+        fixed = {n: optional(None, _PLACEHOLDER_DTYPES[n] or q.dtype, q.device) for n in names if n in absent}
+        return KernelLaunch(kernel, planned.grid, planned.num_warps, planned.num_stages,
+                            [n for n in names if n not in absent], planned.args, fixed)
+
     return dict(
         skip=skip,
-        fwd=KernelLaunch(entries["fwd"], fwd.grid, fwd.num_warps, fwd.num_stages, _FWD_TENSORS, fwd.args),
-        delta=_kernel(entries["delta"], plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
-                      ("Out", "dOut", "Delta")),
-        dkdv=_kernel(entries["dkdv"], plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides,
-                                                          skip and skip["dkdv"][1]),
-                     _BWD_INPUTS + ("dK", "dV")),
-        dq=_kernel(entries["dq"], plan.dq_launch(call, cfg, do_strides, dq_strides,
-                                                    plan.contiguous_strides((b, hq, l, call.k.dims[2]))
-                                                    if write_ds else None, skip and skip["dq"][1]),
-                   _BWD_INPUTS + ("dQ", "dS")),
+        fwd=launch(entries["fwd"], plan.forward_launch(call, cfg, out_strides, skip and skip["fwd"][1]),
+                   _FWD_TENSORS),
+        delta=launch(entries["delta"], plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
+                     ("Out", "dOut", "Delta")),
+        dkdv=launch(entries["dkdv"], plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides,
+                                                      skip and skip["dkdv"][1]), _BWD_INPUTS + ("dK", "dV")),
+        dq=launch(entries["dq"], plan.dq_launch(call, cfg, do_strides, dq_strides,
+                                                plan.contiguous_strides((b, hq, l, call.k.dims[2]))
+                                                if write_ds else None, skip and skip["dq"][1]),
+                  _BWD_INPUTS + ("dQ", "dS")),
     )
+
+
+def _given(*tensors: Optional[torch.Tensor]) -> list:
+    """The tensors a launch takes: those present (the absent ones are its fixed placeholders)."""
+    return [t for t in tensors if t is not None]
 
 
 def _skip_plans(call: plan.FlashCall, cfg: FlashConfig, entries: dict) -> Optional[dict]:
@@ -158,37 +183,28 @@ def _skip_plans(call: plan.FlashCall, cfg: FlashConfig, entries: dict) -> Option
     return plans
 
 
-def _skip_table(skip: Optional[dict], name: str, bias, mask, device) -> torch.Tensor:
-    """The int32 skip table of kernel `name` (a placeholder when no tiles are skipped)."""
+def _skip_table(skip: Optional[dict], name: str, bias, mask, device) -> Optional[torch.Tensor]:
+    """The int32 skip table of kernel `name`, or None when no tiles are skipped."""
     if skip is None:
-        return optional(None, torch.int32, device)
+        return None
     shape, _, launch = skip[name]
     table = torch.empty(shape, dtype=torch.int32, device=device)
     launch(optional(mask, torch.int8, device), optional(bias, torch.float32, device), table)
     return table
 
 
-def _kernel(kernel, launch: plan.Launch, tensors) -> KernelLaunch:
-    return KernelLaunch(kernel, launch.grid, launch.num_warps, launch.num_stages, tensors, launch.args)
-
-
 def _out_buffer(q: torch.Tensor, dv: int) -> torch.Tensor:
     """Out as a (B, Hq, L, Dv) view of (B, L, Hq, Dv) memory: the layout models transpose it back to."""
     b, hq, l, _ = q.shape
-    return torch.empty((b, l, hq, dv), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty_strided((b, hq, l, dv), (l * hq * dv, dv, hq * dv, 1), dtype=q.dtype, device=q.device)
 
 
 def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed):
     out = _out_buffer(q, v.shape[3])
-    launches = _launches(spec, q, k, v, bias, mask, sinks)
+    launches = _launches(spec, q, k, v, bias, mask, sinks, seed)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    dev = q.device
-    i32 = torch.int32
-    launches["fwd"](
-        q, k, v, optional(bias, q.dtype, dev), optional(mask, torch.int8, dev), optional(sinks, torch.float32, dev),
-        *(optional(None, i32, dev),) * 4, optional(seed, i32, dev),
-        _skip_table(launches["skip"], "fwd", bias, mask, dev), out, lse,
-    )
+    table = _skip_table(launches["skip"], "fwd", bias, mask, q.device)
+    launches["fwd"](*_given(q, k, v, bias, mask, sinks, seed, table, out, lse))
     return out, lse
 
 
@@ -202,20 +218,20 @@ def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs):
     out, lse = outputs
     dout = _grad_like(grads[0], out)
     write_ds = bool(needs[3])
-    launches = _launches(spec, q, k, v, bias, mask, sinks, _operand(dout).strides, write_ds)
-    dev, i32 = q.device, torch.int32
+    launches = _launches(spec, q, k, v, bias, mask, sinks, seed, dout.stride(), write_ds)
+    dev = q.device
     delta = torch.empty_like(lse)
     launches["delta"](out, dout, delta)
     if len(grads) > 1 and grads[1] is not None:  # d lse / d logit = P: folds into Delta
         delta = delta - grads[1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     b, hq, l, _ = q.shape
-    ds = torch.empty((b, hq, l, k.shape[2]), dtype=torch.float32, device=dev) if write_ds else optional(
-        None, torch.float32, dev)
-    common = (q, k, v, optional(bias, q.dtype, dev), optional(mask, torch.int8, dev), dout, lse, delta,
-              *(optional(None, i32, dev),) * 4, optional(seed, i32, dev))
-    launches["dkdv"](*common, _skip_table(launches["skip"], "dkdv", bias, mask, dev), dk, dv)
-    launches["dq"](*common, _skip_table(launches["skip"], "dq", bias, mask, dev), dq, ds)
+    ds = torch.empty((b, hq, l, k.shape[2]), dtype=torch.float32, device=dev) if write_ds else None
+    skip = launches["skip"]
+    launches["dkdv"](*_given(q, k, v, bias, mask, dout, lse, delta, seed, _skip_table(skip, "dkdv", bias, mask, dev),
+                             dk, dv))
+    launches["dq"](*_given(q, k, v, bias, mask, dout, lse, delta, seed, _skip_table(skip, "dq", bias, mask, dev),
+                           dq, ds))
     grads_in = {0: dq, 1: dk, 2: dv}
     if write_ds:
         grads_in[3] = _reduce_to(ds, bias).to(bias.dtype)
