@@ -8,10 +8,12 @@ A `KernelLaunch` fixes everything about a launch except the tensors (the kernel,
 stages and scalar arguments), so it can be planned once per call signature and reused:
 
 * Eager, on CUDA: the first call goes through Triton's `kernel[grid](...)`, which compiles (or
-  finds the compiled kernel in its cache) and launches; the compiled kernel is kept, and later
-  calls whose tensors have the same 16-byte alignment call its launcher directly, skipping
-  Triton's argument binding and cache lookup (most of a Triton launch's host time).
-* Under `torch.compile` (inside a `triton_op` body, see `differentiable.py`): through
+  finds the compiled kernel in its cache) and launches. The compiled kernel is kept, shared by every
+  launch of the same specialization (kernel, constexprs, pointer dtypes, and what Triton specialises
+  runtime integers on), so later calls — and new launches that differ only in runtime sizes, such as
+  a growing KV cache — call its launcher directly with the tensors' pointers, skipping Triton's
+  argument binding and cache lookup (most of a Triton launch's host time).
+* Under `torch.compile` (inside a `triton_op` body, see `triton_autograd.py`): through
   `torch.library.wrap_triton`, so Inductor sees the kernel and can put it in a CUDA graph.
 * Under Triton's interpreter (`TRITON_INTERPRET=1`, torch CPU tensors): `kernel[grid](...)` runs
   it on the CPU, which is how the CPU test suite exercises this launcher.
@@ -90,7 +92,7 @@ class KernelLaunch:
     """
 
     __slots__ = ("kernel", "grid", "num_warps", "num_stages", "tensors", "scalars", "fixed", "_values", "_order",
-                 "_single", "_compiled")
+                 "_single", "_compiled", "_compiled_on")
 
     def __init__(self, kernel, grid: Sequence[int], num_warps: int, num_stages: int, tensors: Sequence[str],
                  scalars: dict[str, Any], fixed: Optional[dict[str, torch.Tensor]] = None):
@@ -98,22 +100,12 @@ class KernelLaunch:
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.num_warps, self.num_stages = int(num_warps), int(num_stages)
         self.tensors = tuple(tensors)
-        self.scalars = dict(scalars)
-        self.fixed = dict(fixed or {})
-        names = list(getattr(kernel, "arg_names", ()))
-        given = list(self.tensors) + list(self.fixed) + list(self.scalars)
-        missing = [n for n in names if n not in given]
-        extra = [n for n in given if names and n not in names]
-        if missing or extra or len(set(given)) != len(given):
-            raise TypeError(f"{getattr(kernel, '__name__', kernel)}: arguments missing {missing}, unknown {extra} "
-                            f"(each named once among tensors, fixed and scalars).")
-        # The kernel's positional arguments are picked from (*pointers, *other values) in one C call.
-        others = [n for n in names if n not in self.tensors]
-        self._values = [self.fixed.get(n, self.scalars.get(n)) for n in others]
-        picks = [self.tensors.index(n) if n in self.tensors else len(self.tensors) + others.index(n) for n in names]
-        self._order = operator.itemgetter(*picks)
-        self._single = len(picks) == 1  # itemgetter of one index gives the item, not a tuple
+        self.scalars = scalars
+        self.fixed = fixed or {}
+        others, self._order, self._single = _layout(kernel, self.tensors, tuple(self.fixed), tuple(scalars))
+        self._values = [self.fixed[n] if n in self.fixed else scalars[n] for n in others]
         self._compiled = None
+        self._compiled_on = None
 
     def _kwargs(self, tensors) -> dict:
         return dict(zip(self.tensors, tensors), **self.fixed, **self.scalars)
@@ -132,20 +124,50 @@ class KernelLaunch:
             self.kernel[self.grid](**self._kwargs(tensors))
             return
         pointers = [t.data_ptr() for t in tensors]
-        # The kept compilation assumes every pointer 16-byte aligned (Triton specialises on it); an
+        # Kept compilations assume every pointer 16-byte aligned (Triton specialises on it); an
         # unaligned one goes through Triton's own lookup, which picks or compiles the right variant.
         # Launch hooks (profilers) see the tensors only through Triton's own path.
-        if self._compiled is not None and not functools.reduce(operator.or_, pointers) & 15 and _no_launch_hooks():
+        direct = not functools.reduce(operator.or_, pointers) & 15 and _no_launch_hooks()
+        if direct and self._compiled_on == device.index:
+            self._fast(pointers, device)
+            return
+        if direct and self._adopt(tensors, device.index):
             self._fast(pointers, device)
             return
         with torch.cuda.device(device):
             compiled = self.kernel[self.grid](**self._kwargs(tensors), num_warps=self.num_warps,
                                               num_stages=self.num_stages)
-        # Fixed tensors go as their pointers too (they live as long as this launch).
-        values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self._values]
-        fixed_pointers = [v.data_ptr() for v in self.fixed.values()]
-        if self._compiled is None and not functools.reduce(operator.or_, pointers + fixed_pointers) & 15:
-            self._values, self._compiled = values, compiled
+        fixed_aligned = not any(t.data_ptr() & 15 for t in self.fixed.values())
+        if direct and fixed_aligned and self._compiled is None:
+            _COMPILED[(self._specialization(tensors), device.index)] = compiled
+            self._adopt(tensors, device.index)
+
+    def _specialization(self, tensors) -> tuple:
+        """What Triton's compilation of this launch depends on besides all-aligned pointers: the kernel,
+        warps, stages, the pointers' dtypes, every constexpr's value and, per runtime scalar, each
+        property Triton specialises on (its integer width, equality to 1, divisibility by 16). Launches
+        of equal keys run one compiled kernel (a new KV-cache length reuses the last one's)."""
+        constexprs = _constexpr_names(self.kernel)
+        key = []
+        for name, value in self.scalars.items():
+            if name in constexprs or not isinstance(value, int) or isinstance(value, bool):
+                key.append((name, type(value).__name__, value))
+            else:
+                key.append((name, value == 1, value % 16 == 0, -2**31 <= value < 2**31, value < 2**63))
+        pointers = tuple((n, t.dtype) for n, t in zip(self.tensors, tensors)) + tuple(
+            (n, t.dtype) for n, t in self.fixed.items())
+        return self.kernel, self.num_warps, self.num_stages, pointers, tuple(key)
+
+    def _adopt(self, tensors, device_index: int) -> bool:
+        """Takes the shared compilation for this launch's specialization on `device_index`, if any
+        (later calls of this launch have the same dtypes: its planner's key includes them)."""
+        compiled = _COMPILED.get((self._specialization(tensors), device_index))
+        if compiled is None:
+            return False
+        # Fixed tensors go as their pointers (they live as long as this launch).
+        self._values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in self._values]
+        self._compiled, self._compiled_on = compiled, device_index
+        return True
 
     def _fast(self, pointers: list, device: torch.device) -> None:
         """Calls the compiled kernel's launcher directly (what Triton's run does after its lookup).
@@ -158,16 +180,41 @@ class KernelLaunch:
         if self._single:
             args = (args,)
         index = device.index
-        current = torch._C._cuda_getDevice()
-        if index is None:
-            index = current
         stream = _raw_stream(index)
         g0, g1, g2 = self.grid
-        if index == current:
+        if index == torch._C._cuda_getDevice():
             k.run(g0, g1, g2, stream, k.function, k.packed_metadata, None, None, None, *args)
             return
         with torch.cuda.device(index):
             k.run(g0, g1, g2, stream, k.function, k.packed_metadata, None, None, None, *args)
+
+
+#: Compiled kernels by (`KernelLaunch._specialization()`, device index), shared by every launch.
+_COMPILED: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(kernel, tensors: tuple, fixed: tuple, scalars: tuple):
+    """(names of the non-tensor arguments in kernel order, picker of the positional arguments from
+    (*pointers, *those values), whether the picker yields a single item) for one argument split."""
+    names = list(getattr(kernel, "arg_names", ()))
+    given = list(tensors) + list(fixed) + list(scalars)
+    known = set(names)
+    missing = [n for n in names if n not in set(given)]
+    extra = [n for n in given if names and n not in known]
+    if missing or extra or len(set(given)) != len(given):
+        raise TypeError(f"{getattr(kernel, '__name__', kernel)}: arguments missing {missing}, unknown {extra} "
+                        f"(each named once among tensors, fixed and scalars).")
+    slot = {n: i for i, n in enumerate(tensors)}
+    others = [n for n in names if n not in slot]
+    other_slot = {n: len(tensors) + i for i, n in enumerate(others)}
+    picks = [slot[n] if n in slot else other_slot[n] for n in names]
+    return others, operator.itemgetter(*picks), len(picks) == 1
+
+
+@functools.lru_cache(maxsize=None)
+def _constexpr_names(kernel) -> frozenset:
+    return frozenset(p.name for p in getattr(kernel, "params", ()) if p.is_constexpr)
 
 
 def _idle(hook) -> bool:

@@ -50,6 +50,27 @@ def test_repeated_eager_calls_take_the_direct_launch(monkeypatch):
                                rtol=2e-2, atol=2e-2)
 
 
+def test_growing_cache_reuses_compilations_and_matches_torch(monkeypatch):
+    """A decode call per cache length (lengths divisible by 16 and not, strides changing with them):
+    each equals torch's SDPA, and the kernels are compiled/bound by Triton only a few times (a new
+    length reuses the compiled kernel of its specialization)."""
+    from jaxattn.bridge.triton_launch import KernelLaunch
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    q = torch.randn(2, 1, 8, 64, generator=gen, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    cache = torch.randn(2, 1100, 2, 64, generator=gen, device=DEV, dtype=torch.bfloat16)
+    binder = []
+    kwargs = KernelLaunch._kwargs
+    monkeypatch.setattr(KernelLaunch, "_kwargs", lambda self, t: binder.append(1) or kwargs(self, t))
+    for s in range(1000, 1041):
+        k = cache[:, :s].transpose(1, 2).contiguous()  # a new (B, Hk, S, D) tensor per step, as a grown cache
+        v = cache[:, 100:100 + s].transpose(1, 2)       # a strided view
+        out = scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2, msg=f"S={s}")
+    assert len(binder) <= 6, len(binder)
+
+
 def test_side_stream_inputs_consumed_at_once():
     """Inputs written on a side stream, the call and its consumer on that stream: 1000 iterations
     equal the reference (a kernel on the wrong stream would read half-written inputs)."""

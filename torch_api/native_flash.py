@@ -92,7 +92,7 @@ def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:
 
 
 def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_strides=None, write_ds: bool = False) -> dict:
-    """The call's launches (cached per signature); `do_strides` of dOut for the backward ones."""
+    """The forward's launches, or with `do_strides` (dOut's) the backward's; cached per signature."""
     entries = _entries(q.shape[2])
     if traced():  # symbolic sizes are not hashable, and a traced call plans once anyway
         return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds)
@@ -115,7 +115,8 @@ _PLACEHOLDER_DTYPES = dict(Bias=None, Mask=torch.int8, Sinks=torch.float32, SegQ
 
 def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, sinks, seed, do_strides,
                    write_ds: bool) -> dict:
-    """Plans every launch of the call (forward, Delta, dK/dV, dQ, skip tables).
+    """Plans the forward's launches (`do_strides` None: skip tables, forward) or the backward's (skip
+    tables, Delta, dK/dV, dQ): a call without gradients never plans a backward.
 
     Tensors a call does not have (features switched off) are fixed placeholders of each launch; the
     launches take the others in their kernel order (see `_given`).
@@ -125,10 +126,6 @@ def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, si
     b, hq, l, _ = call.q.dims
     dv = call.v.dims[3]
     # dOut has Out's sizes; its strides are the gradient's own (read in place).
-    do_strides = out_strides if do_strides is None else tuple(
-        0 if n == 1 else int(st) for n, st in zip((b, hq, l, dv), do_strides))
-    # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
-    dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
     skip = _skip_plans(call, cfg, entries)  # the tables are contiguous, written by the skip-table kernel
     absent = {"SegQ", "SegK", "CuQ", "CuK"}  # segments and varlen stay on the XLA bridge
     absent |= {name for name, t in (("Bias", bias), ("Mask", mask), ("Sinks", sinks), ("Seed", seed)) if t is None}
@@ -140,10 +137,14 @@ def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, si
         return KernelLaunch(kernel, planned.grid, planned.num_warps, planned.num_stages,
                             [n for n in names if n not in absent], planned.args, fixed)
 
+    if do_strides is None:
+        return dict(skip=skip, fwd=launch(entries["fwd"], plan.forward_launch(call, cfg, out_strides,
+                                                                             skip and skip["fwd"][1]), _FWD_TENSORS))
+    do_strides = tuple(0 if n == 1 else int(st) for n, st in zip((b, hq, l, dv), do_strides))
+    # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
+    dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
     return dict(
         skip=skip,
-        fwd=launch(entries["fwd"], plan.forward_launch(call, cfg, out_strides, skip and skip["fwd"][1]),
-                   _FWD_TENSORS),
         delta=launch(entries["delta"], plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
                      ("Out", "dOut", "Delta")),
         dkdv=launch(entries["dkdv"], plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides,
