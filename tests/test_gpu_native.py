@@ -58,7 +58,7 @@ def test_growing_cache_reuses_compilations_and_matches_torch(monkeypatch):
 
     gen = torch.Generator(device=DEV).manual_seed(3)
     q = torch.randn(2, 1, 8, 64, generator=gen, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
-    cache = torch.randn(2, 1100, 2, 64, generator=gen, device=DEV, dtype=torch.bfloat16)
+    cache = torch.randn(2, 1200, 2, 64, generator=gen, device=DEV, dtype=torch.bfloat16)
     binder = []
     kwargs = KernelLaunch._kwargs
     monkeypatch.setattr(KernelLaunch, "_kwargs", lambda self, t: binder.append(1) or kwargs(self, t))
