@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import jax
 import torch
-from torch.autograd.function import once_differentiable
 
 from .devices import to_jax_device
 from . import dlpack
 from .dlpack import cuda_handshake, export_arrays, import_tensors, narrow_broadcast
+from .higher_order import differentiable_grads
 from .traces import backward_call, forward_trace, needs_x64, signature
 
 if TYPE_CHECKING:
@@ -207,7 +207,6 @@ class _EagerCall(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads: Optional[torch.Tensor]):
         plan: CallPlan = ctx.plan
         n_in = len(plan.floating)
@@ -217,6 +216,11 @@ class _EagerCall(torch.autograd.Function):
             return tuple(result)
         saved = ctx.saved_tensors  # raises if a saved tensor was modified in place
         trace = ctx.trace
+        if torch.is_grad_enabled():  # create_graph=True: gradients torch can differentiate again
+            computed = differentiable_grads(plan._op, plan.spec, saved[:n_in], grads, needed, trace.out_sig)
+            for i, g in zip(needed, computed):
+                result[i + 1] = g
+            return tuple(result)
         present = tuple(j for j, g in enumerate(grads) if g is not None)
         cotangents = []
         for j in present:

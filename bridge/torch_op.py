@@ -42,6 +42,7 @@ from .call_plan import CallPlan, NotPlain, arg_key, prepare_arguments, static_ke
 from . import dlpack
 from .dlpack import cuda_handshake, export_arrays, import_tensors
 from .dtypes import to_torch_dtype
+from .higher_order import differentiable_grads
 from .traces import CACHE, backward_call, forward_trace, jax_device_of, needs_x64, parse, signature
 
 _OPS: dict[str, "JaxOp"] = {}
@@ -130,9 +131,14 @@ def _backward(ctx, grads):
     present = tuple(j for j in range(ctx.n_out) if grads[j] is not None)
     grad_spec = repr((present, needed))
     saved = list(ctx.saved_tensors)
-    computed = torch.ops.jaxattn.jax_call_backward(
-        saved, [grads[j] for j in present], ctx.op, ctx.spec, grad_spec, ctx.n_in
-    )
+    if torch.is_grad_enabled():  # create_graph=True: gradients torch can differentiate again
+        out_sig = [(tuple(o.shape), o.dtype) for o in saved[ctx.n_in: ctx.n_in + ctx.n_out]]
+        computed = differentiable_grads(_OPS[ctx.op], ctx.spec, saved[: ctx.n_in], grads[: ctx.n_out], needed,
+                                        out_sig)
+    else:
+        computed = torch.ops.jaxattn.jax_call_backward(
+            saved, [grads[j] for j in present], ctx.op, ctx.spec, grad_spec, ctx.n_in
+        )
     out: list[Optional[torch.Tensor]] = [None] * ctx.n_in
     for i, g in zip(needed, computed):
         out[i] = g

@@ -90,11 +90,14 @@ class TritonOp:
         backward: (spec, inputs, outputs, grads, needs) -> list of tensors (one per needed input).
         num_outputs: how many leading tensors of `forward`'s result are the op's outputs.
         spec_types: the dataclasses a spec may contain (for decoding JSON under torch.compile).
+        second_order_hint: appended to the error a backward with `create_graph=True` raises (the
+            kernels' gradients are not differentiable again): where a differentiable path is.
     """
 
     def __init__(self, name: str, forward: Callable, backward: Callable, num_outputs: int,
-                 spec_types: Sequence[type]):
+                 spec_types: Sequence[type], second_order_hint: str = ""):
         self.name, self.forward, self.backward, self.num_outputs = name, forward, backward, num_outputs
+        self.second_order_hint = second_order_hint
         self.codec = SpecCodec(spec_types)
         self._ops = None
         # Registered now, not on first use: Dynamo refuses to trace a call of `triton_op` itself.
@@ -113,6 +116,15 @@ class TritonOp:
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
             return _EagerFunction.apply(self, spec, *inputs)[: self.num_outputs]
         return tuple(self.forward(spec, *inputs)[: self.num_outputs])
+
+    def _refuse_second_order(self) -> None:
+        """Raises in a backward run with `create_graph=True` (grad mode on): the kernels' gradients
+        would come back without a graph, and a second derivative through them would read zero."""
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"{self.name}: second-order gradients (a backward with create_graph=True, as in gradient "
+                f"penalties, hvp or gradgradcheck) are not implemented by these Triton kernels. "
+                f"{self.second_order_hint}".rstrip())
 
     # -- torch.compile route ------------------------------------------------------------------------
 
@@ -152,6 +164,7 @@ class TritonOp:
             ctx.save_for_backward(*[t for t in ins if t is not None], *output)
 
         def backward_formula(ctx, grads):
+            self._refuse_second_order()
             saved = list(ctx.saved_tensors)
             present = len(ctx.none) - sum(ctx.none)
             it = iter(saved[:present])
@@ -180,6 +193,7 @@ class _EagerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        ctx.op._refuse_second_order()
         saved = ctx.saved_tensors
         ins, outs = saved[: ctx.n_in], saved[ctx.n_in:]
         needs = list(ctx.needs_input_grad[2:])

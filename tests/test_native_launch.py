@@ -239,6 +239,19 @@ def test_native_refuses_what_it_cannot_run():
             pass
 
 
+def test_native_second_order_raises_and_names_the_xla_path():
+    """create_graph=True through the native kernels raises (their gradients would read zero when
+    differentiated again); the XLA path gives the second derivative (checked against torch)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (_randn(gen, 1, 2, 12, 16).requires_grad_(True) for _ in range(3))
+    with sdpa_launcher("native"):
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    with pytest.raises(NotImplementedError, match="create_graph=True.*sdpa_launcher\\('xla'\\)"):
+        torch.autograd.grad(out.float().square().sum(), [q], create_graph=True)
+    (first,) = torch.autograd.grad(out.float().square().sum(), [q])  # first order still works
+    assert first.abs().sum() > 0
+
+
 def test_xla_launcher_still_serves_the_same_call():
     """sdpa_launcher("xla") keeps the JAX-launched path: the result matches the native one."""
     gen = torch.Generator().manual_seed(1)

@@ -249,7 +249,9 @@ def _reduce_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 FLASH_OP = TritonOp("jaxattn::native_flash", _forward, _backward, num_outputs=2,
-                    spec_types=(NativeFlashSpec, FlashConfig))
+                    spec_types=(NativeFlashSpec, FlashConfig),
+                    second_order_hint="Run such calls on the XLA path, whose gradients are differentiable to any "
+                                      "order: `with jaxattn.torch_api.sdpa_launcher('xla'): ...`.")
 
 
 def narrow(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -179,6 +179,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
+    if torch.is_grad_enabled():  # create_graph=True: these gradients would not be differentiable again
+        raise NotImplementedError(
+            "ring_attention: second-order gradients (a backward with create_graph=True) are not implemented; "
+            "the gradients of ring attention cannot be differentiated again.")
     n = ctx.n
     saved = list(ctx.saved_tensors)
     n_in = 5 * n if ctx.has_seg else 3 * n
