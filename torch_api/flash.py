@@ -35,6 +35,7 @@ import torch
 
 from ..bridge import jax_op
 from ..jax_core import AttentionMetadata, attention
+from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
 from .native_flash import flash_forward
 from .selection import normalize_choice
@@ -297,6 +298,15 @@ def flash_attention(
         TypeError: arguments of the wrong type.
         ValueError / NotImplementedError: no implementation can run the call (with reasons).
     """
+    amp = autocast_dtype(q.device) if isinstance(q, torch.Tensor) else None
+    if amp is not None:  # as torch's SDPA under autocast: q, k, v in the autocast dtype (autocast.py)
+        kind = q.device.type
+        with autocast_off(kind):
+            return flash_attention(
+                *(cast(amp, kind, t) for t in (q, k, v)), causal=causal, causal_alignment=causal_alignment,
+                window=window, softcap=softcap, sinks=sinks, segment_ids=segment_ids, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+                scale=scale, return_lse=return_lse, implementation=implementation)
     varlen = cu_seqlens_q is not None
     if varlen:
         _check_varlen_qkv(q, k, v)

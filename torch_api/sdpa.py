@@ -32,6 +32,7 @@ from ..bridge import jax_op
 from ..bridge.call_plan import NotPlain, arg_key, static_key
 from ..bridge.dlpack import narrow_broadcast
 from ..jax_core import AttentionMetadata, attention
+from .autocast import autocast_dtype, autocast_off, cast
 from .bucketing import bucket_length, current_sequence_buckets
 from .launch import current_launcher, native_config
 from .native_flash import flash_forward
@@ -87,14 +88,23 @@ def scaled_dot_product_attention(
             automatic selection.
 
     Returns:
-        (N, ..., Hq, L, Ev) tensor of the query's dtype on the query's device. Under
-        `sequence_buckets` it may be a view of a longer (padded) result.
+        (N, ..., Hq, L, Ev) tensor of the query's dtype on the query's device (under
+        `torch.autocast`, torch's SDPA policy applies first: floating arguments other than float64
+        are cast to the autocast dtype). Under `sequence_buckets` it may be a view of a longer
+        (padded) result.
 
     Raises:
         AttentionInputError (a ValueError and RuntimeError): malformed arguments.
         TypeError: arguments of the wrong type.
         ValueError / NotImplementedError: no implementation can run the call (with reasons).
     """
+    amp = autocast_dtype(query.device) if isinstance(query, torch.Tensor) else None
+    if amp is not None:  # torch's autocast policy for SDPA (see autocast.py)
+        kind = query.device.type
+        with autocast_off(kind):
+            return scaled_dot_product_attention(
+                *(cast(amp, kind, t) for t in (query, key, value, attn_mask)), dropout_p=dropout_p,
+                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, implementation=implementation)
     if not torch.compiler.is_compiling():
         try:
             sig = (

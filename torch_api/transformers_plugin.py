@@ -37,6 +37,7 @@ import torch
 
 from ..bridge import jax_op
 from ..jax_core import AttentionMetadata, attention
+from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
 from .native_flash import flash_forward
 from .sdpa import scaled_dot_product_attention
@@ -163,6 +164,12 @@ def make_attention_function(implementation: Union[None, str, Sequence[str]] = No
 
 def _with_features(query, key, value, mask, sinks, *, causal, scale, softcap, dropout_p, implementation):
     """Soft cap and/or sinks on (B, Hq, L, E) / (B, Hk, S, E|Ev) tensors -> (B, Hq, L, Ev)."""
+    amp = autocast_dtype(query.device) if isinstance(query, torch.Tensor) else None
+    if amp is not None:  # torch's SDPA policy under autocast (autocast.py); sinks keep their dtype
+        kind = query.device.type
+        with autocast_off(kind):
+            return _with_features(*(cast(amp, kind, t) for t in (query, key, value, mask)), sinks, causal=causal,
+                                  scale=scale, softcap=softcap, dropout_p=dropout_p, implementation=implementation)
     check_qkv(query, key, value, enable_gqa=True)
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise AttentionInputError(f"softcap={softcap!r}: expected a positive float or None.")
