@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import jax
 import torch
+from torch.autograd import forward_ad
 
 from .devices import to_jax_device
 from . import dlpack
 from .dlpack import cuda_handshake, export_arrays, import_tensors, narrow_broadcast
+from .forward_ad import refuse_forward_ad
 from .higher_order import differentiable_grads
 from .traces import backward_call, forward_trace, needs_x64, signature
 
@@ -144,6 +146,8 @@ class CallPlan:
 
     def __call__(self, *args: Optional[torch.Tensor]):
         """Runs a call whose arguments have this plan's signature."""
+        if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+            refuse_forward_ad(self.op_name, [a for a in args if a is not None])
         tensors = [args[i] for i in self.present] if self.gather else list(args)
         if self.narrow is not None:
             tensors = [t if d is None else _narrow(t, d) for t, d in zip(tensors, self.narrow)]

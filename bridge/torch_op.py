@@ -37,11 +37,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import torch
+from torch.autograd import forward_ad
 
 from .call_plan import CallPlan, NotPlain, arg_key, prepare_arguments, static_key
 from . import dlpack
 from .dlpack import cuda_handshake, export_arrays, import_tensors
 from .dtypes import to_torch_dtype
+from .forward_ad import refuse_forward_ad
 from .higher_order import differentiable_grads
 from .traces import CACHE, backward_call, forward_trace, jax_device_of, needs_x64, parse, signature
 
@@ -177,6 +179,8 @@ class JaxOp:
         _OPS[name] = self
 
     def __call__(self, *args: Optional[torch.Tensor], **static: Any):
+        if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+            refuse_forward_ad(self.name, [a for a in args if isinstance(a, torch.Tensor)])
         if not torch.compiler.is_compiling():
             try:
                 key = (tuple([arg_key(a) for a in args]), tuple([(k, static_key(v)) for k, v in static.items()]),

@@ -26,7 +26,9 @@ import json
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+from torch.autograd import forward_ad
 
+from .forward_ad import refuse_forward_ad
 from .triton_launch import wrapped_launches
 
 
@@ -108,6 +110,8 @@ class TritonOp:
         self._library_ops()
 
     def __call__(self, spec: Any, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+            refuse_forward_ad(self.name, inputs)
         if torch.compiler.is_compiling():
             fwd, _ = self._library_ops()
             padded = tuple(inputs) + (None,) * (MAX_INPUTS - len(inputs))

@@ -21,6 +21,7 @@ path below runs instead, so the graph sees the checks and the custom op.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Sequence, Union
 
 import jax
@@ -105,6 +106,17 @@ def scaled_dot_product_attention(
             return scaled_dot_product_attention(
                 *(cast(amp, kind, t) for t in (query, key, value, attn_mask)), dropout_p=dropout_p,
                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, implementation=implementation)
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 or isinstance(scale, numbers.Real) and not isinstance(
+            scale, (bool, int, float)):
+        scale = float(scale)  # a 0-d tensor or a numpy scalar, as torch accepts
+    if dropout_p == 1.0 and not isinstance(dropout_p, bool):
+        # torch drops every weight: the output and every gradient are zero.
+        return scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
+                                            implementation=implementation) * 0
+    if (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+            and query.dim() >= 2 and key.dim() >= 2 and query.shape[-1] > 0
+            and (0 in query.shape[:-1] or key.shape[-2] == 0 or value.shape[-1] == 0)):
+        return _empty(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not torch.compiler.is_compiling():
         try:
             sig = (
@@ -126,6 +138,18 @@ def scaled_dot_product_attention(
                 check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
             return plan(query, key, value, attn_mask)
     return _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
+
+
+def _empty(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """A call with a size-0 batch, query, key or value-head dim, answered as torch does: an empty
+    output (B = 0, L = 0, Ev = 0) or, with no keys (S = 0), zeros; the gradients are zeros of the
+    inputs' shapes. (A size-0 query/key head dim stays an error.)"""
+    check_qkv(query, key, value, enable_gqa, allow_empty=True)
+    check_options(attn_mask, dropout_p, is_causal, scale, query)
+    out = query.new_zeros((*query.shape[:-1], value.shape[-1]))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        out = out + (query.sum() + key.sum() + value.sum()) * 0
+    return out
 
 
 def _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation):

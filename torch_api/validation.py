@@ -42,7 +42,7 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def check_qkv(query, key, value, enable_gqa: bool, names: tuple[str, str, str] = ("query", "key", "value"),
-              gqa_flag: bool = True) -> None:
+              gqa_flag: bool = True, allow_empty: bool = False) -> None:
     """Checks types, ranks, dtypes, devices and sizes of (N, ..., H, L, E) query/key/value.
 
     Args:
@@ -61,7 +61,7 @@ def check_qkv(query, key, value, enable_gqa: bool, names: tuple[str, str, str] =
                 f"{name}: dtype {t.dtype} is not a floating type; expected one of "
                 "float16, bfloat16, float32, float64 (call .float() or .to(torch.bfloat16))."
             )
-        if t.numel() == 0:
+        if t.numel() == 0 and not allow_empty:
             raise AttentionInputError(f"{name}: is empty (shape {_shape(t)}); every dimension must be > 0.")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa={enable_gqa!r}: expected a bool.")
