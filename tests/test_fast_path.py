@@ -229,15 +229,20 @@ def test_retain_graph_and_second_backward():
     torch.testing.assert_close(first[1], wr.grad)
 
 
-def test_double_backward_raises_not_silently_zero():
-    x = torch.randn(3, 4, requires_grad=True)
-    out = mix(x, None, torch.randn(3, 4), alpha=1.0)
-    (gx,) = torch.autograd.grad(out, x, torch.ones(3, 4, requires_grad=True), create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice|does not require grad"):
-        gx.sum().backward()
-    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice|does not require grad"):
-        gx.sum().backward()
+def test_double_backward_matches_torch_not_silently_zero():
+    """create_graph=True on the fast path gives gradients torch can differentiate again, including
+    through a gradient output that itself requires grad."""
+    g = torch.Generator().manual_seed(9)
+    x0, w = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, generator=g, dtype=torch.float64)
+    ct0 = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    results = []
+    for fn in (mix, mix_torch):
+        x, ct = x0.clone().requires_grad_(True), ct0.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(fn(x, None, w, alpha=1.5), x, ct, create_graph=True)
+        results.append((gx,) + torch.autograd.grad((gx ** 2).sum(), [x, ct]))
+    for ours, ref in zip(*results):
+        assert ours.abs().sum() > 0
+        torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-12)
 
 
 def test_saved_tensor_hooks_see_every_saved_tensor():
