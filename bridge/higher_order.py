@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .traces import parse
+from .traces import call_with, parse
 
 
 def _vjp_function(op):
@@ -26,13 +26,7 @@ def _vjp_function(op):
         inputs, given = arrays[: len(present)], arrays[len(present):]
 
         def apply(*diff_values):
-            values = list(inputs)
-            for i, v in zip(needed, diff_values):
-                values[i] = v
-            args = [None] * n_args
-            for pos, v, full in zip(present, values, fulls):
-                args[pos] = v if full is None else jnp.broadcast_to(v, full)
-            return op.fn(*args, **dict(static))
+            return call_with(op.fn, inputs, needed, diff_values, n_args, present, fulls, dict(static))
 
         out, pullback = jax.vjp(apply, *(inputs[i] for i in needed))
         outs = list(out) if isinstance(out, (tuple, list)) else [out]

@@ -74,6 +74,18 @@ def _avals(shapes_dtypes, device: Optional[jax.Device]):
     return [jax.ShapeDtypeStruct(s, to_jax_dtype(d), sharding=sharding) for s, d in shapes_dtypes]
 
 
+def call_with(fn, inputs, diff, diff_values, n_args, present, fulls, static: dict):
+    """`fn` on a call's arguments: the tensor inputs (at positions `present` of `n_args`, the rest
+    None), those at indices `diff` replaced by `diff_values`, narrowed ones broadcast to `fulls`."""
+    values = list(inputs)
+    for i, v in zip(diff, diff_values):
+        values[i] = v
+    args = [None] * n_args
+    for pos, v, full in zip(present, values, fulls):
+        args[pos] = v if full is None else jnp.broadcast_to(v, full)
+    return fn(*args, **static)
+
+
 def _build_forward(op: "JaxOp", spec: str, avals: list) -> Trace:
     n_args, present, fulls, static, with_vjp = parse(spec)
     static = dict(static)
@@ -83,13 +95,7 @@ def _build_forward(op: "JaxOp", spec: str, avals: list) -> Trace:
         diff = tuple(i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating)) if with_vjp else ()
 
         def apply(*diff_values):
-            values = list(inputs)
-            for i, v in zip(diff, diff_values):
-                values[i] = v
-            args = [None] * n_args
-            for pos, v, full in zip(present, values, fulls):
-                args[pos] = v if full is None else jnp.broadcast_to(v, full)
-            return op.fn(*args, **static)
+            return call_with(op.fn, inputs, diff, diff_values, n_args, present, fulls, static)
 
         if with_vjp:
             out, vjp = jax.vjp(apply, *(inputs[i] for i in diff))
