@@ -92,7 +92,7 @@ class KernelLaunch:
     """
 
     __slots__ = ("kernel", "grid", "num_warps", "num_stages", "tensors", "scalars", "fixed", "_values", "_order",
-                 "_single", "_compiled", "_compiled_on")
+                 "_single", "_slots", "_compiled", "_compiled_on")
 
     def __init__(self, kernel, grid: Sequence[int], num_warps: int, num_stages: int, tensors: Sequence[str],
                  scalars: dict[str, Any], fixed: Optional[dict[str, torch.Tensor]] = None):
@@ -103,9 +103,35 @@ class KernelLaunch:
         self.scalars = scalars
         self.fixed = fixed or {}
         others, self._order, self._single = _layout(kernel, self.tensors, tuple(self.fixed), tuple(scalars))
+        self._slots = _slots(kernel, self.tensors, tuple(self.fixed), tuple(scalars))
         self._values = [self.fixed[n] if n in self.fixed else scalars[n] for n in others]
         self._compiled = None
         self._compiled_on = None
+
+    def rebind(self, **scalars: Any) -> "KernelLaunch":
+        """This launch with some runtime scalars replaced (same kernel, grid, tensors and constexprs).
+
+        A growing KV cache changes a few sizes and strides per step; the copy keeps this launch's
+        compiled kernel when every replaced integer keeps the properties Triton specialises on, so
+        a step costs no planning, no argument binding and no cache lookup.
+        """
+        new = object.__new__(KernelLaunch)
+        new.kernel, new.grid, new.num_warps, new.num_stages = self.kernel, self.grid, self.num_warps, self.num_stages
+        new.tensors, new.fixed, new._order, new._single, new._slots = (self.tensors, self.fixed, self._order,
+                                                                        self._single, self._slots)
+        new.scalars = dict(self.scalars)
+        new._values = list(self._values)
+        same = True
+        constexprs = _constexpr_names(self.kernel)
+        for name, value in scalars.items():
+            old = self.scalars[name]
+            if name in constexprs and value != old:
+                raise ValueError(f"{name}: a constexpr cannot be rebound ({old!r} -> {value!r}); plan a new launch.")
+            new.scalars[name] = value
+            new._values[self._slots[name]] = value
+            same = same and _int_class(value) == _int_class(old)
+        new._compiled, new._compiled_on = (self._compiled, self._compiled_on) if same else (None, None)
+        return new
 
     def _kwargs(self, tensors) -> dict:
         return dict(zip(self.tensors, tensors), **self.fixed, **self.scalars)
@@ -153,7 +179,7 @@ class KernelLaunch:
             if name in constexprs or not isinstance(value, int) or isinstance(value, bool):
                 key.append((name, type(value).__name__, value))
             else:
-                key.append((name, value == 1, value % 16 == 0, -2**31 <= value < 2**31, value < 2**63))
+                key.append((name, *_int_class(value)))
         pointers = tuple((n, t.dtype) for n, t in zip(self.tensors, tensors)) + tuple(
             (n, t.dtype) for n, t in self.fixed.items())
         return self.kernel, self.num_warps, self.num_stages, pointers, tuple(key)
@@ -210,6 +236,20 @@ def _layout(kernel, tensors: tuple, fixed: tuple, scalars: tuple):
     other_slot = {n: len(tensors) + i for i, n in enumerate(others)}
     picks = [slot[n] if n in slot else other_slot[n] for n in names]
     return others, operator.itemgetter(*picks), len(picks) == 1
+
+
+def _int_class(value) -> tuple:
+    """What Triton specialises a runtime integer on: equality to 1, divisibility by 16, its width."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return (type(value).__name__, value)
+    return value == 1, value % 16 == 0, -2**31 <= value < 2**31, value < 2**63
+
+
+@functools.lru_cache(maxsize=None)
+def _slots(kernel, tensors: tuple, fixed: tuple, scalars: tuple) -> dict:
+    """Index of each scalar argument in a launch's `_values` (the non-tensor arguments in kernel order)."""
+    others = _layout(kernel, tensors, fixed, scalars)[0]
+    return {n: i for i, n in enumerate(others) if n in scalars}
 
 
 @functools.lru_cache(maxsize=None)

@@ -286,3 +286,26 @@ def test_masked_tiles_are_skipped():
     kept = torch.ones(s, dtype=torch.bool)
     kept[64:128] = False
     assert_close_finite("grad k", k.grad.double().cpu()[..., kept, :], leaves[1].grad[..., kept, :], TOL)
+
+
+def test_growing_cache_steps_rebind_one_planned_forward(monkeypatch):
+    """Decoding steps on a growing cache (a transposed (B, S, Hk, D) buffer sliced to each length,
+    GQA, lengths crossing multiples of 16): each new length matches torch, and only the first is
+    planned; the others rebind its sizes and strides."""
+    planned = []
+    real_plan = native_flash._plan_launches
+    monkeypatch.setattr(native_flash, "_plan_launches", lambda *a: planned.append(a) or real_plan(*a))
+    monkeypatch.setattr(native_flash, "_LAUNCHES", {})
+    monkeypatch.setattr(native_flash, "_FOLLOWS_KEYS", {})
+    gen = torch.Generator().manual_seed(5)
+    b, hq, hk, d = 2, 4, 2, 16
+    cache = torch.randn(b, 40, hk, d, generator=gen).to(DEVICE)
+    values = torch.randn(b, 40, hk, d, generator=gen).to(DEVICE)
+    for s in (17, 18, 31, 32, 33, 40):
+        q = _randn(gen, b, hq, 1, d)
+        k, v = cache[:, :s].transpose(1, 2), values[:, :s].transpose(1, 2)
+        with torch.no_grad(), sdpa_launcher("native"):
+            out = scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(*_f64(q, k, v), enable_gqa=True)
+        assert_close_finite(f"out at S={s}", out.double().cpu(), ref.detach(), TOL)
+    assert len(planned) == 1

@@ -21,7 +21,7 @@ from typing import Iterator, Literal, Optional
 
 import torch
 
-from ..bridge.triton_launch import can_launch
+from ..bridge.triton_launch import can_launch, interpreted
 from ..jax_core import AttentionInputs, AttentionRegistry
 from ..jax_core.flash import FlashAttn
 from ..jax_core.kernels.flash_plan import FlashConfig
@@ -152,6 +152,31 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
         mask: None, or the dtype of the call's mask (bool: a bool mask; else an additive bias).
         Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
     """
+    l, s = q_shape[2], k_shape[2]
+    # A decoding call's settings do not depend on its key length (a new one each step of a
+    # growing cache): memoized without it.
+    memo = None
+    if l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right:
+        memo = (tuple(q_shape), tuple(k_shape[:2]), k_shape[3], value_head_dim, dtype, device, choice,
+                current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, causal, window, softcap, sinks, mask,
+                dropout_p, lse, scale)
+        if memo in _DECODE_CONFIGS:
+            return _DECODE_CONFIGS[memo]
+    config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, causal=causal,
+                            bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks, mask=mask,
+                            dropout_p=dropout_p, lse=lse, scale=scale)
+    if memo is not None:
+        if len(_DECODE_CONFIGS) >= 1024:
+            _DECODE_CONFIGS.clear()
+        _DECODE_CONFIGS[memo] = config
+    return config
+
+
+_DECODE_CONFIGS: dict = {}
+
+
+def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, causal, bottom_right, window, softcap,
+                   sinks, mask, dropout_p, lse, scale) -> Optional[FlashConfig]:
     l, s = q_shape[2], k_shape[2]
     shifted = bottom_right and l != s
     features = set()

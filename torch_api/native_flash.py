@@ -51,7 +51,10 @@ class NativeFlashSpec:
 def _operand(t: torch.Tensor) -> Operand:
     """A (B, H, T, D)-ordered tensor's sizes and strides, stride 0 on size-1 dims (symbolic sizes of a
     traced call become ints: the kernels are specialised to them)."""
-    shape, stride = tuple(int(n) for n in t.shape), tuple(int(st) for st in t.stride())
+    if traced():
+        shape, stride = tuple(int(n) for n in t.shape), tuple(int(st) for st in t.stride())
+    else:
+        shape, stride = tuple(t.shape), t.stride()
     return Operand(shape, tuple(0 if n == 1 else st for n, st in zip(shape, stride)))
 
 
@@ -69,6 +72,9 @@ def _key(t: Optional[torch.Tensor]):
 # Launches per (spec, operand signature): planning a call costs more host time than launching it.
 _LAUNCHES: dict = {}
 _MAX_LAUNCHES = 4096
+#: Forward launches whose keys enter only through `flash_plan.key_args`, by their signature without
+#: the keys' length and strides.
+_FOLLOWS_KEYS: dict = {}
 
 
 #: Decoding-like calls (at most this many queries) use the shape-dynamic entries: a growing KV cache
@@ -101,9 +107,22 @@ def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_stride
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
-    found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds)
+    # A forward of the shape-dynamic entries that differs from a planned one only in the keys'
+    # length and strides (a decoding step on a grown cache) is that launch with `key_args` replaced.
+    sibling_key = None
+    if do_strides is None and entries is _ENTRIES["dynamic"] and bias is None and mask is None:
+        sibling_key = (spec, q.shape, q.stride(), q.dtype, q.device, k.shape[:2], k.shape[3:], v.shape[3:],
+                       k.shape[2] == 1, sinks is not None, seed is not None)
+        sibling = _FOLLOWS_KEYS.get(sibling_key)
+        if sibling is not None:
+            found = dict(skip=None, fwd=sibling["fwd"].rebind(**plan.key_args(_operand(k), _operand(v))))
     if len(_LAUNCHES) >= _MAX_LAUNCHES:
         _LAUNCHES.clear()
+        _FOLLOWS_KEYS.clear()
+    if found is None:
+        found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds)
+        if sibling_key is not None and plan.forward_follows_keys(_call(q, k, v, bias, mask, sinks), spec.cfg):
+            _FOLLOWS_KEYS[sibling_key] = found
     _LAUNCHES[key] = found
     return found
 

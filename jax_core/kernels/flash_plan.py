@@ -184,19 +184,31 @@ def _named(prefix: tuple[str, str, str, str], values) -> dict:
 _ZERO4 = (0, 0, 0, 0)
 
 
+def key_args(k: Operand, v: Operand) -> dict:
+    """The scalar arguments that depend on the keys' length and layout: S and K's and V's strides."""
+    return dict(**_named(("skb", "skh", "skn", "skd"), k.strides), **_named(("svb", "svh", "svn", "svd"), v.strides),
+                S=k.dims[2])
+
+
+def forward_follows_keys(call: FlashCall, cfg: FlashConfig) -> bool:
+    """Whether `forward_launch` depends on the keys only through `key_args`, so a forward planned
+    for one key length serves another (a growing KV cache) by replacing those arguments: true
+    without varlen (whose grid follows the key bounds) and without skip tables (whose shape does)."""
+    return cfg.varlen is None and not uses_skip_table(call, cfg)
+
+
 def common_args(call: FlashCall, cfg: FlashConfig) -> dict:
     """Scalar arguments shared by the forward, dK/dV and dQ entry kernels."""
     b, hq, l, d = call.q.dims
-    hk, s = call.k.dims[1], call.k.dims[2]
+    hk = call.k.dims[1]
     dv = call.v.dims[3]
     dropout = cfg.dropout_p > 0
     return dict(
         **_named(("sqb", "sqh", "sqm", "sqd"), call.q.strides),
-        **_named(("skb", "skh", "skn", "skd"), call.k.strides),
-        **_named(("svb", "svh", "svn", "svd"), call.v.strides),
+        **key_args(call.k, call.v),
         **_named(("sbb", "sbh", "sbm", "sbn"), call.bias.strides if call.bias is not None else _ZERO4),
         **_named(("smb", "smh", "smm", "smn"), call.mask.strides if call.mask is not None else _ZERO4),
-        Hq=hq, Hk=hk, L=l, S=s, D=d, Dv=dv, scale=float(cfg.scale),
+        Hq=hq, Hk=hk, L=l, D=d, Dv=dv, scale=float(cfg.scale),
         softcap=float(cfg.softcap or 1.0), window_left=int(cfg.window[0]), window_right=int(cfg.window[1]),
         diag_offset=int(cfg.diag_offset), CAUSAL=bool(cfg.causal), HAS_BIAS=call.bias is not None,
         HAS_MASK=call.mask is not None, SOFTCAP=cfg.softcap is not None, BLOCK_D=head_block(d),
