@@ -254,7 +254,18 @@ def _slots(kernel, tensors: tuple, fixed: tuple, scalars: tuple) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _constexpr_names(kernel) -> frozenset:
-    return frozenset(p.name for p in getattr(kernel, "params", ()) if p.is_constexpr)
+    if hasattr(kernel, "params"):  # a JITFunction
+        return frozenset(p.name for p in kernel.params if p.is_constexpr)
+    # Under the interpreter: the Python function's `tl.constexpr` annotations.
+    import inspect
+
+    import triton.language as tl
+
+    fn = getattr(kernel, "fn", None)
+    if fn is None:
+        return frozenset()
+    return frozenset(name for name, p in inspect.signature(fn).parameters.items()
+                     if p.annotation is tl.constexpr or p.annotation == "tl.constexpr")
 
 
 def _idle(hook) -> bool:

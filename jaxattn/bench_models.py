@@ -2,7 +2,7 @@
 
     jaxattn bench --models --out docs/bench          # the GPU run (about 3 minutes on an H100)
     jaxattn bench --models --models-size tiny        # a 2-layer model, seconds on a CPU (float32)
-    jaxattn bench --models --profile                 # + kernel times of one step of each train cell
+    jaxattn bench --models --profile                 # + kernel times of one step of each train/prefill cell
 
 Models are built from `transformers.LlamaConfig` with random weights (nothing is downloaded), in
 bfloat16 on CUDA and float32 on the CPU. One model object runs both implementations: its attention
@@ -360,7 +360,7 @@ def _train_or_prefill(run: "_Run", pair: ModelPair, spec: ModelSpec, batch: int,
         try:
             _fill(cell, time_interleaved(calls, pair.select, run.clock, repeats=run.plan.repeats,
                                          loop_s=run.plan.loop_s, max_calls=run.plan.max_calls))
-            if mode == "train" and run.profile:
+            if run.profile:
                 _profile_cell(run, cell, calls, pair.select)
         finally:
             for impl in IMPLS:
@@ -611,7 +611,7 @@ def run_models(size: Optional[str] = None, *, device: Optional[str] = None, impl
         device: "cuda" or "cpu"; default cuda when torch sees a GPU.
         implementation: a jaxattn implementation name forced for the jaxattn column (registered
             as attn_implementation "jaxattn_forced"); None: jaxattn's automatic selection ("jaxattn").
-        profile: train cells also record one profiled step of each implementation (`profile_once`).
+        profile: train and prefill cells also record one profiled step of each implementation (`profile_once`).
         out_dir: write models.json and models.md there.
         progress: progress lines on stderr.
         print_table: print the table on stdout at the end.
@@ -767,7 +767,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="force this jaxattn implementation (registered as attn_implementation 'jaxattn_forced'); "
                             "default automatic selection")
     group.add_argument("--profile", action="store_true",
-                       help="train cells: profile one step of each implementation (kernel time, top attention kernels)")
+                       help="train and prefill cells: profile one step of each implementation (kernel time, top attention kernels)")
 
 
 def wanted(args: argparse.Namespace) -> bool:

@@ -87,9 +87,9 @@ def test_small_call_cells_report_microseconds(tiny):
         assert c["sdpa_us"] == pytest.approx(c["sdpa_ms"] * 1e3) and c["jaxattn_us"] > 0
 
 
-def test_profile_records_kernel_times_for_train_cells_only(tiny):
+def test_profile_records_kernel_times_for_train_and_prefill_cells_only(tiny):
     for c in tiny["data"]["cells"]:
-        if c["mode"] != "train":
+        if c["mode"] not in ("train", "prefill"):
             assert "kernels" not in c
             continue
         assert "profile_error" not in c, c.get("profile_error")

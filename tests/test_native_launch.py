@@ -309,3 +309,38 @@ def test_growing_cache_steps_rebind_one_planned_forward(monkeypatch):
         ref = F.scaled_dot_product_attention(*_f64(q, k, v), enable_gqa=True)
         assert_close_finite(f"out at S={s}", out.double().cpu(), ref.detach(), TOL)
     assert len(planned) == 1
+
+
+def test_repeated_no_grad_calls_reuse_the_planned_launch(monkeypatch):
+    """An eager call without gradients launches the forward its signature planned once; a call of
+    the same signature that needs gradients still gets them (through the op), equal to torch's."""
+    looked_up = []
+    real = native_flash._launches
+    monkeypatch.setattr(native_flash, "_launches", lambda *a, **kw: looked_up.append(a) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (_randn(gen, 2, 4, 33, 16, transposed=True) for _ in range(3))
+    with sdpa_launcher("native"):
+        with torch.no_grad():
+            outs = [scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3) for _ in range(3)]
+        assert len(looked_up) == 1
+        ql, kl, vl = _leaves(q, k, v)
+        out = scaled_dot_product_attention(ql, kl, vl, is_causal=True, scale=0.3)
+    ref = F.scaled_dot_product_attention(*_f64(q, k, v), is_causal=True, scale=0.3)
+    for o in outs:
+        assert_close_finite("no-grad out", o.double().cpu(), ref.detach(), TOL)
+    cot = _randn(gen, 2, 4, 33, 16)
+    (out * cot).sum().backward()
+    leaves = _f64(q, k, v)
+    (F.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.3) * cot.double().cpu()).sum().backward()
+    for name, got, want in zip("qkv", (ql, kl, vl), leaves):
+        assert_close_finite(f"grad {name}", got.grad.double().cpu(), want.grad, TOL)
+
+
+def test_rebinding_a_constexpr_is_refused():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (_randn(gen, 1, 2, 5, 16) for _ in range(3))
+    launch = native_flash._launches(native_flash.NativeFlashSpec(FlashConfig(scale=0.25)), q, k, v, None, None, None,
+                                    None)["fwd"]
+    with pytest.raises(ValueError, match="BLOCK_M: a constexpr cannot be rebound"):
+        launch.rebind(BLOCK_M=32)
+    assert launch.rebind(S=7).scalars["S"] == 7 and launch.scalars["S"] == 5

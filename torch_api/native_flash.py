@@ -15,6 +15,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+from torch.autograd import forward_ad
 
 from ..bridge.triton_autograd import TritonOp
 from ..bridge.triton_launch import KernelLaunch, optional, traced
@@ -46,6 +47,15 @@ class NativeFlashSpec:
 
     cfg: FlashConfig
     num_inputs: int = 7  # q, k, v, bias, mask, sinks, seed
+
+    def __hash__(self) -> int:
+        # Part of every launch-cache key: hashing FlashConfig's fields on each call costs more than
+        # the rest of the key.
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.cfg, self.num_inputs))
+            object.__setattr__(self, "_hash", found)
+        return found
 
 
 def _operand(t: torch.Tensor) -> Operand:
@@ -219,9 +229,10 @@ def _out_buffer(q: torch.Tensor, dv: int) -> torch.Tensor:
     return torch.empty_strided((b, hq, l, dv), (l * hq * dv, dv, hq * dv, 1), dtype=q.dtype, device=q.device)
 
 
-def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed):
+def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, launches: Optional[dict] = None):
     out = _out_buffer(q, v.shape[3])
-    launches = _launches(spec, q, k, v, bias, mask, sinks, seed)
+    if launches is None:
+        launches = _launches(spec, q, k, v, bias, mask, sinks, seed)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     table = _skip_table(launches["skip"], "fwd", bias, mask, q.device)
     launches["fwd"](*_given(q, k, v, bias, mask, sinks, seed, table, out, lse))
@@ -306,3 +317,32 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
         # traced call converts (fused into the mask's producer).
         mask = mask.to(torch.int8) if torch.compiler.is_compiling() else mask.view(torch.int8)
     return FLASH_OP(NativeFlashSpec(cfg), q, k, v, narrow(bias), narrow(mask), sinks, seed)
+
+
+class NativeFlash:
+    """The native flash call of one call signature (the drop-in plans one per signature).
+
+    `flash_forward` with this signature's settings. An eager call that needs no gradient and has
+    no bias, mask or sinks (a decoding step, a causal prefill) launches directly with the forward
+    launches kept here: the signature fixes them, so such a call skips the op layers and the plan
+    lookup (host time is most of a small call's cost).
+    """
+
+    __slots__ = ("cfg", "spec", "_kernel", "_launches")
+
+    def __init__(self, cfg: FlashConfig):
+        self.cfg, self.spec = cfg, NativeFlashSpec(cfg)
+        self._kernel = self._launches = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+                 mask: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, Dv) of this signature -> out (B, Hq, L, Dv)."""
+        if (bias is None and mask is None and not traced() and forward_ad._current_level < 0
+                and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            kernel = _entries(q.shape[2])["fwd"]
+            if self._kernel is not kernel:
+                self._launches = _launches(self.spec, q, k, v, None, None, None, seed)
+                self._kernel = kernel
+            return _forward(self.spec, q, k, v, None, None, None, seed, self._launches)[0]
+        return flash_forward(q, k, v, self.cfg, bias=bias, mask=mask, seed=seed)[0]

@@ -36,7 +36,7 @@ from ..jax_core import AttentionMetadata, attention
 from .autocast import autocast_dtype, autocast_off, cast
 from .bucketing import bucket_length, current_sequence_buckets
 from .launch import current_launcher, native_config
-from .native_flash import flash_forward
+from .native_flash import NativeFlash
 from .selection import current_implementation, normalize_choice
 from .validation import check_finite, check_mask_shape, check_options, check_qkv, finite_check_applies
 
@@ -99,24 +99,13 @@ def scaled_dot_product_attention(
         TypeError: arguments of the wrong type.
         ValueError / NotImplementedError: no implementation can run the call (with reasons).
     """
-    amp = autocast_dtype(query.device) if isinstance(query, torch.Tensor) else None
-    if amp is not None:  # torch's autocast policy for SDPA (see autocast.py)
-        kind = query.device.type
-        with autocast_off(kind):
-            return scaled_dot_product_attention(
-                *(cast(amp, kind, t) for t in (query, key, value, attn_mask)), dropout_p=dropout_p,
-                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, implementation=implementation)
-    if isinstance(scale, torch.Tensor) and scale.dim() == 0 or isinstance(scale, numbers.Real) and not isinstance(
-            scale, (bool, int, float)):
+    if scale is not None and type(scale) is not float and (
+            isinstance(scale, torch.Tensor) and scale.dim() == 0
+            or isinstance(scale, numbers.Real) and not isinstance(scale, (bool, int))):
         scale = float(scale)  # a 0-d tensor or a numpy scalar, as torch accepts
-    if dropout_p == 1.0 and not isinstance(dropout_p, bool):
-        # torch drops every weight: the output and every gradient are zero.
-        return scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
-                                            implementation=implementation) * 0
-    if (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
-            and query.dim() >= 2 and key.dim() >= 2 and query.shape[-1] > 0
-            and (0 in query.shape[:-1] or key.shape[-2] == 0 or value.shape[-1] == 0)):
-        return _empty(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    # A signature seen before was checked and planned then (a plan exists only for plain, non-empty
+    # calls outside autocast): the memo comes first, the rare cases below only on a miss.
+    sig = None
     if not torch.compiler.is_compiling():
         try:
             sig = (
@@ -129,14 +118,33 @@ def scaled_dot_product_attention(
         except (NotPlain, AttributeError, TypeError):  # unusual arguments: the plain path checks them
             sig = plan = None
         if sig is not None:
-            if plan is None:
-                plan = _Plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
-                if len(_plans) >= MAX_PLANS:
-                    _plans.clear()
-                _plans[sig] = plan
-            if finite_check_applies(query.device):
-                check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
-            return plan(query, key, value, attn_mask)
+            if plan is not None and autocast_dtype(query.device) is None:
+                if finite_check_applies(query.device):
+                    check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
+                return plan(query, key, value, attn_mask)
+    amp = autocast_dtype(query.device) if isinstance(query, torch.Tensor) else None
+    if amp is not None:  # torch's autocast policy for SDPA (see autocast.py)
+        kind = query.device.type
+        with autocast_off(kind):
+            return scaled_dot_product_attention(
+                *(cast(amp, kind, t) for t in (query, key, value, attn_mask)), dropout_p=dropout_p,
+                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, implementation=implementation)
+    if dropout_p == 1.0 and not isinstance(dropout_p, bool):
+        # torch drops every weight: the output and every gradient are zero.
+        return scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
+                                            implementation=implementation) * 0
+    if (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+            and query.dim() >= 2 and key.dim() >= 2 and query.shape[-1] > 0
+            and (0 in query.shape[:-1] or key.shape[-2] == 0 or value.shape[-1] == 0)):
+        return _empty(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if sig is not None:
+        plan = _Plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[sig] = plan
+        if finite_check_applies(query.device):
+            check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
+        return plan(query, key, value, attn_mask)
     return _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
 
 
@@ -196,6 +204,7 @@ class _Plan:
         self.native = native_config(
             (self.flat, hq, seq_q, e), (self.flat, hk, seq_k, e), ev, query.dtype, query.device, choice,
             causal=is_causal, mask=None if attn_mask is None else attn_mask.dtype, dropout_p=dropout_p, scale=scale)
+        self.native_call = None if self.native is None else NativeFlash(self.native)
         if self.native is not None:
             buckets = None  # the native launch compiles once for every length: nothing to bucket
         self.seq_q, self.seq_k = seq_q, seq_k
@@ -227,8 +236,8 @@ class _Plan:
         q4, k4, v4, mask4, seed = self._operands(query, key, value, attn_mask)
         if self.native is not None:
             is_bool = mask4 is not None and mask4.dtype == torch.bool
-            out, _ = flash_forward(q4, k4, v4, self.native, bias=None if is_bool else mask4,
-                                   mask=mask4 if is_bool else None, seed=seed)
+            out = self.native_call(q4, k4, v4, bias=None if is_bool else mask4, mask=mask4 if is_bool else None,
+                                   seed=seed)
         elif plan_ops:
             out = self.call(q4, k4, v4, mask4, seed)
         else:

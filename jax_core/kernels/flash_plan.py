@@ -45,10 +45,13 @@ def fwd_block_sizes(D, Dv, dtype_bytes):
 
     Returns:
         (BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of `benchmarks/flash_fwd_tiles.py` on
-        an H100 with Triton 3.6, bf16 (JAX-level, 2026-11-22): D=64 causal L=8192 373 TFLOP/s with
-        (128, 64, 8, 3); D=128 469 causal L=8192 and 485 non-causal L=2048 with (64, 64, 4, 3)
-        (against 444 / 438 with (128, 64, 8, 3)), which also keeps the soft cap's cost at 11-13%;
-        D=256 479 causal with (128, 64, 8, 2) (deeper pipelines exceed shared memory).
+        an H100 with Triton 3.6, bf16 (JAX-level, 2026-11-22): D=128 469 TFLOP/s causal L=8192 and
+        485 non-causal L=2048 with (64, 64, 4, 3) (against 444 / 438 with (128, 64, 8, 3)), which
+        also keeps the soft cap's cost at 11-13%; D=256 479 causal with (128, 64, 8, 2) (deeper
+        pipelines exceed shared memory). D=64 (torch launcher, causal GQA at the model benchmark's
+        shapes, B16 L512 to B1 L8192, both (B, L, H, D) and (B, H, L, D) memory, 2026-11-24):
+        (64, 64, 4, 3) took 47-48 / 116-117 / 376-378 / 715-717 µs, the fastest of six tiles at
+        every shape, against 65 / 124-149 / 383-397 / 741-945 µs with (128, 64, 8, 3).
     """
     d = max(next_power_of_2(D), next_power_of_2(Dv))
     if dtype_bytes >= 4:
@@ -59,8 +62,6 @@ def fwd_block_sizes(D, Dv, dtype_bytes):
         if d <= 128:
             return 64, 32, 4, 2
         return 32, 32, 4, 1
-    if d <= 64:
-        return 128, 64, 8, 3
     if d <= 128:
         return 64, 64, 4, 3
     return 128, 64, 8, 2
