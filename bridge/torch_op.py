@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import pickle
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -153,6 +155,17 @@ _jax_call.register_autograd(_backward, setup_context=_setup_context)
 # --- public API ------------------------------------------------------------------------------------
 
 
+def _registered_op(name: str, module: Optional[str]) -> "JaxOp":
+    """The op registered under `name`, importing `module` (where it is defined) first if needed."""
+    if name not in _OPS and module:
+        importlib.import_module(module)
+    if name not in _OPS:
+        raise pickle.UnpicklingError(
+            f"jax_op {name!r} is not registered in this process (defined in module {module!r}); import the module "
+            "that defines it before unpickling.")
+    return _OPS[name]
+
+
 class JaxOp:
     """A JAX function callable on torch tensors, differentiable and traceable by torch.compile.
 
@@ -177,6 +190,17 @@ class JaxOp:
         self._plans: dict[tuple, CallPlan] = {}
         functools.update_wrapper(self, fn)
         _OPS[name] = self
+
+    # An op is a named function, registered once per process: copies are the op itself, and pickles
+    # refer to it by name (its executables, devices and plans are caches of this process).
+    def __copy__(self) -> "JaxOp":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "JaxOp":
+        return self
+
+    def __reduce__(self):
+        return _registered_op, (self.name, getattr(self.fn, "__module__", None))
 
     def __call__(self, *args: Optional[torch.Tensor], **static: Any):
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():

@@ -53,6 +53,10 @@ def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
         _active.depth -= 1
 
 
+# `functools.wraps` copied torch's module and qualified name; pickle finds functions by those, and a
+# module that stored the patched function must pickle (torch.save) as a reference to this one (which
+# runs torch's function again wherever no patch is active).
+_patched_sdpa.__module__, _patched_sdpa.__qualname__ = __name__, "_patched_sdpa"
 _patched_sdpa.__doc__ = (
     "torch.nn.functional.scaled_dot_product_attention, routed to jaxattn by jaxattn.torch_api.patch_sdpa "
     "(torch's original: jaxattn.torch_api.patch.TORCH_SDPA)."
