@@ -27,6 +27,8 @@ from torch.autograd import forward_ad
 from .devices import to_jax_device
 from . import dlpack
 from .dlpack import cuda_handshake, export_arrays, import_tensors, narrow_broadcast
+from . import fork_guard as _fork_guard
+from .fork_guard import check_not_forked
 from .forward_ad import refuse_forward_ad
 from .higher_order import differentiable_grads
 from .traces import backward_call, forward_trace, needs_x64, signature
@@ -124,6 +126,7 @@ class CallPlan:
     """
 
     def __init__(self, op: "JaxOp", args: Sequence[Optional[torch.Tensor]], static: dict):
+        check_not_forked(op.name)
         tensors, present, narrow, spec, with_vjp = prepare_arguments(op, args, static)
         device = tensors[0].device
         self.op_name = op.name
@@ -146,6 +149,8 @@ class CallPlan:
 
     def __call__(self, *args: Optional[torch.Tensor]):
         """Runs a call whose arguments have this plan's signature."""
+        if _fork_guard._forked_after_runtime:
+            check_not_forked(self.op_name)
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             refuse_forward_ad(self.op_name, [a for a in args if a is not None])
         tensors = [args[i] for i in self.present] if self.gather else list(args)

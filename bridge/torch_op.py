@@ -41,6 +41,7 @@ import jax
 import torch
 from torch.autograd import forward_ad
 
+from .fork_guard import check_not_forked
 from .call_plan import CallPlan, NotPlain, arg_key, prepare_arguments, static_key
 from . import dlpack
 from .dlpack import cuda_handshake, export_arrays, import_tensors
@@ -203,6 +204,7 @@ class JaxOp:
         return _registered_op, (self.name, getattr(self.fn, "__module__", None))
 
     def __call__(self, *args: Optional[torch.Tensor], **static: Any):
+        check_not_forked(self.name)
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             refuse_forward_ad(self.name, [a for a in args if isinstance(a, torch.Tensor)])
         if not torch.compiler.is_compiling():
