@@ -205,6 +205,47 @@ class _EagerFunction(torch.autograd.Function):
         return (None, None, *[next(got) if need else None for need in needs])
 
 
+class PlannedCall:
+    """A differentiable call of one fixed signature on the eager path, with nothing resolved per call.
+
+    Subclasses implement `forward(*inputs) -> (outputs, saved)` and `backward(saved, grads) ->
+    one gradient per input` (launching kernels through `KernelLaunch`), and `op`, the `TritonOp`
+    whose semantics they share (its second-order refusal). `apply(*inputs)` enters autograd's C
+    `apply` directly: no spec, no launch-cache lookup, no per-input bookkeeping. Callers use it only
+    where `TritonOp.__call__` would take its eager autograd route (grad needed, no torch.compile,
+    functorch transform or forward-mode AD) and keep everything the backward needs in the subclass
+    (planned once per signature).
+    """
+
+    op: TritonOp
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        raise NotImplementedError
+
+    def backward(self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> tuple:
+        raise NotImplementedError
+
+    def apply(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if _PLANNED_APPLY is None:
+            return _PlannedFunction.apply(self, *inputs)
+        return _PLANNED_APPLY(self, *[_UNWRAP_IF_DEAD(t) for t in inputs])
+
+
+class _PlannedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: PlannedCall, *inputs):
+        outs, saved = call.forward(*inputs)
+        ctx.call = call
+        ctx.save_for_backward(*saved)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call = ctx.call
+        call.op._refuse_second_order()
+        return (None, *call.backward(ctx.saved_tensors, grads))
+
+
 def _eager_apply(op: TritonOp, spec: Any, *inputs: Optional[torch.Tensor]):
     """`_EagerFunction.apply(op, spec, *inputs)` without `Function.apply`'s Python layer, which binds
     arguments for a `setup_context` this Function does not define and walks the arguments as a
@@ -215,8 +256,9 @@ def _eager_apply(op: TritonOp, spec: Any, *inputs: Optional[torch.Tensor]):
     return _BASE_APPLY(op, spec, *[t if t is None else _UNWRAP_IF_DEAD(t) for t in inputs])
 
 
-try:  # the C implementation under Function.apply, bound to _EagerFunction (None: use Function.apply)
+try:  # the C implementation under Function.apply, bound to each Function (None: use Function.apply)
     _BASE_APPLY = super(torch.autograd.Function, _EagerFunction).apply
+    _PLANNED_APPLY = super(torch.autograd.Function, _PlannedFunction).apply
     _UNWRAP_IF_DEAD = torch._C._functorch.unwrap_if_dead
 except AttributeError:  # pragma: no cover - a torch without these internals
-    _BASE_APPLY = _UNWRAP_IF_DEAD = None
+    _BASE_APPLY = _PLANNED_APPLY = _UNWRAP_IF_DEAD = None

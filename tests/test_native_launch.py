@@ -336,6 +336,37 @@ def test_repeated_no_grad_calls_reuse_the_planned_launch(monkeypatch):
         assert_close_finite(f"grad {name}", got.grad.double().cpu(), want.grad, TOL)
 
 
+def test_training_calls_reuse_planned_launches(monkeypatch):
+    """Calls of one signature that need gradients (a training step's layers) plan their forward and,
+    per gradient layout, their backward once; every call's output and gradients match torch's, for a
+    dense and a transposed output gradient and with only some inputs requiring grad."""
+    looked_up = []
+    real = native_flash._launches
+    monkeypatch.setattr(native_flash, "_launches", lambda *a, **kw: looked_up.append(a) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(23)
+    b, hq, hk, l, d = 2, 4, 2, 41, 16
+    base = [_randn(gen, b, h, l, d, transposed=True) for h in (hq, hk, hk)]
+    cots = [_randn(gen, b, hq, l, d), _randn(gen, b, hq, l, d, transposed=True)] * 2
+    for step, cot in enumerate(cots):
+        q, k, v = _leaves(*base)
+        if step == 3:
+            q.requires_grad_(False)
+        with sdpa_launcher("native"):
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        (out * cot).sum().backward()
+        leaves = _f64(*base)
+        ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        (ref * cot.double().cpu()).sum().backward()
+        assert_close_finite(f"out, step {step}", out.detach().double().cpu(), ref.detach(), TOL)
+        for name, got, want in zip("qkv", (q, k, v), leaves):
+            if got.requires_grad:
+                assert_close_finite(f"grad {name}, step {step}", got.grad.double().cpu(), want.grad, TOL)
+        assert q.grad is None if step == 3 else q.grad is not None
+    # forward; backward for a dense cotangent; backward for a transposed one; a q without grad is
+    # another signature (its forward planned once more, its backward found for the same layout).
+    assert len(looked_up) == 5, len(looked_up)
+
+
 def test_rebinding_a_constexpr_is_refused():
     gen = torch.Generator().manual_seed(2)
     q, k, v = (_randn(gen, 1, 2, 5, 16) for _ in range(3))

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch.autograd import forward_ad
 
-from ..bridge.triton_autograd import TritonOp
+from ..bridge.triton_autograd import PlannedCall, TritonOp
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
@@ -244,12 +244,13 @@ def _grad_like(grad: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(out) if grad is None else grad
 
 
-def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs):
+def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs, launches: Optional[dict] = None):
     q, k, v, bias, mask, sinks, seed = inputs
     out, lse = outputs
     dout = _grad_like(grads[0], out)
     write_ds = bool(needs[3])
-    launches = _launches(spec, q, k, v, bias, mask, sinks, seed, dout.stride(), write_ds)
+    if launches is None:
+        launches = _launches(spec, q, k, v, bias, mask, sinks, seed, dout.stride(), write_ds)
     dev = q.device
     delta = torch.empty_like(lse)
     launches["delta"](out, dout, delta)
@@ -319,30 +320,54 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
     return FLASH_OP(NativeFlashSpec(cfg), q, k, v, narrow(bias), narrow(mask), sinks, seed)
 
 
-class NativeFlash:
+class NativeFlash(PlannedCall):
     """The native flash call of one call signature (the drop-in plans one per signature).
 
-    `flash_forward` with this signature's settings. An eager call that needs no gradient and has
-    no bias, mask or sinks (a decoding step, a causal prefill) launches directly with the forward
-    launches kept here: the signature fixes them, so such a call skips the op layers and the plan
-    lookup (host time is most of a small call's cost).
+    `flash_forward` with this signature's settings. A call without bias, mask or dropout (a
+    decoding step, a causal prefill, a causal training step) keeps its launches here, since the
+    signature fixes them: an eager call that needs no gradient launches directly, one that needs
+    gradients enters autograd through `PlannedCall.apply` with this object as its state, and its
+    backward finds the backward launches here too (host time is most of a small call's cost, and
+    a host-bound model step pays it per layer).
     """
 
-    __slots__ = ("cfg", "spec", "_kernel", "_launches")
+    __slots__ = ("cfg", "spec", "_kernel", "_launches", "_backward_launches")
+    op = FLASH_OP
 
     def __init__(self, cfg: FlashConfig):
         self.cfg, self.spec = cfg, NativeFlashSpec(cfg)
         self._kernel = self._launches = None
+        self._backward_launches: dict = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                  mask: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, Dv) of this signature -> out (B, Hq, L, Dv)."""
-        if (bias is None and mask is None and not traced() and forward_ad._current_level < 0
-                and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
-                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        if (bias is None and mask is None and seed is None and not traced() and forward_ad._current_level < 0
+                and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()):
             kernel = _entries(q.shape[2])["fwd"]
             if self._kernel is not kernel:
-                self._launches = _launches(self.spec, q, k, v, None, None, None, seed)
+                self._launches = _launches(self.spec, q, k, v, None, None, None, None)
                 self._kernel = kernel
-            return _forward(self.spec, q, k, v, None, None, None, seed, self._launches)[0]
+                self._backward_launches = {}
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return self.apply(q, k, v)[0]
+            return _forward(self.spec, q, k, v, None, None, None, None, self._launches)[0]
         return flash_forward(q, k, v, self.cfg, bias=bias, mask=mask, seed=seed)[0]
+
+    def forward(self, q, k, v):
+        out, lse = _forward(self.spec, q, k, v, None, None, None, None, self._launches)
+        return (out,), (q, k, v, out, lse)
+
+    def backward(self, saved, grads):
+        q, k, v, out, lse = saved
+        dout = grads[0]
+        strides = dout.stride()
+        launches = self._backward_launches.get(strides)
+        if launches is None:
+            launches = self._backward_launches[strides] = _launches(self.spec, q, k, v, None, None, None, None,
+                                                                    strides, False)
+        return _backward(self.spec, (q, k, v, None, None, None, None), (out, lse), grads, _QKV_NEEDS, launches)
+
+
+#: What the backward of a call without bias, mask or sinks computes: dQ, dK, dV.
+_QKV_NEEDS = (True, True, True, False, False, False, False)

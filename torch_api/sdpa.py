@@ -229,10 +229,20 @@ class _Plan:
             implementation=choice, platform="cpu" if query.device.type == "cpu" else "gpu",
         )
         self.dropout = dropout_p > 0
+        # The call's tensors go to the native launch as they are: 4-D, one batch dim of the same size,
+        # no padding, mask or dropout, and no stride-0 leaf that needs its own gradient memory.
+        self.direct = (
+            self.native_call is not None and not self.squeeze and self.lead == (self.flat,) and attn_mask is None
+            and not (self.pad_q or self.pad_k or self.dropout) and self.key_mask is None
+            and all(t.dim() == 4 and t.shape[0] == self.flat for t in (key, value))
+            and not any(t.is_leaf and t.requires_grad and 0 in t.stride() for t in (query, key, value))
+        )
 
     # -- per call -----------------------------------------------------------------------------------
 
     def __call__(self, query, key, value, attn_mask, plan_ops: bool = True):
+        if self.direct:
+            return self.native_call(query, key, value)
         q4, k4, v4, mask4, seed = self._operands(query, key, value, attn_mask)
         if self.native is not None:
             is_bool = mask4 is not None and mask4.dtype == torch.bool
