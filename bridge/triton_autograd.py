@@ -121,14 +121,16 @@ class TritonOp:
             return _eager_apply(self, spec, *inputs)[: self.num_outputs]
         return tuple(self.forward(spec, *inputs)[: self.num_outputs])
 
+    def second_order_message(self) -> str:
+        return (f"{self.name}: second-order gradients (a backward with create_graph=True, as in gradient "
+                f"penalties, hvp or gradgradcheck) are not implemented by these Triton kernels. "
+                f"{self.second_order_hint}".rstrip())
+
     def _refuse_second_order(self) -> None:
         """Raises in a backward run with `create_graph=True` (grad mode on): the kernels' gradients
         would come back without a graph, and a second derivative through them would read zero."""
         if torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"{self.name}: second-order gradients (a backward with create_graph=True, as in gradient "
-                f"penalties, hvp or gradgradcheck) are not implemented by these Triton kernels. "
-                f"{self.second_order_hint}".rstrip())
+            raise NotImplementedError(self.second_order_message())
 
     # -- torch.compile route ------------------------------------------------------------------------
 

@@ -35,7 +35,10 @@ def test_repeated_eager_calls_take_the_direct_launch(monkeypatch):
     """After the first call, every launch of an eager forward and backward (the backward runs on
     autograd's device thread) goes straight to the compiled kernel, not through Triton's binder."""
     from jaxattn.bridge.triton_launch import KernelLaunch
+    from jaxattn.torch_api import sdpa as sdpa_module
 
+    monkeypatch.setenv("JAXATTN_TRITON_PROGRAMS", "0")  # the Python launch path (the compiled one is tested below)
+    monkeypatch.setattr(sdpa_module, "_plans", {})
     q, k, v = _qkv(b=1, hq=4, hk=2, l=128, s=128, grad=True)
     call = lambda: scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
     call().float().sum().backward()
@@ -48,6 +51,72 @@ def test_repeated_eager_calls_take_the_direct_launch(monkeypatch):
     assert binder == [] and len(direct) == 4  # forward, Delta, dK/dV, dQ
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_compiled_program_replays_the_launches_bit_for_bit(monkeypatch):
+    """Once its kernels are compiled, a signature's calls run as a compiled program (C++ autograd
+    node, no Python per launch): forward, gradients (for the planned gradient layout and another
+    one) and the no-grad forward equal the Python launch path's bit for bit; a second-order
+    backward raises; CUDA-graph capture replays it."""
+    from jaxattn.bridge import triton_program
+    from jaxattn.torch_api import sdpa as sdpa_module
+
+    assert triton_program.wait(600), triton_program.build_error()
+    monkeypatch.setattr(sdpa_module, "_plans", {})
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    b, hq, hk, l, d = 2, 8, 4, 97, 80
+    base = [torch.randn(b, l, h, d, generator=gen, device=DEV, dtype=torch.bfloat16) for h in (hq, hk, hk)]
+    cot = torch.randn(b, l, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+
+    def step(cotangent):
+        q, k, v = (t.detach().transpose(1, 2).requires_grad_(True) for t in base)
+        with sdpa_launcher("native"):
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(cotangent)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    python_path = step(cot.transpose(1, 2))  # the first call plans and compiles, on the Python path
+    plan = next(p for p in sdpa_module._plans.values() if p.native_call is not None)
+    assert isinstance(plan.native_call._programs.get("train"), int)
+    called = []
+    real_apply = triton_program.apply
+    monkeypatch.setattr(triton_program, "apply", lambda *a: called.append(1) or real_apply(*a))
+    compiled = step(cot.transpose(1, 2))
+    assert called, "the compiled program did not run"
+    for name, got, want in zip(("out", "dq", "dk", "dv"), compiled, python_path):
+        assert torch.equal(got, want), name
+    other_layout = step(cot.transpose(1, 2).contiguous())  # a dense (B, H, L, D) gradient is read in the planned layout
+    for name, got, want in zip(("out", "dq", "dk", "dv"), other_layout, python_path):
+        assert torch.equal(got, want), name
+
+    q, k, v = (t.detach().transpose(1, 2).requires_grad_(True) for t in base)
+    with sdpa_launcher("native"):
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with pytest.raises(NotImplementedError, match="create_graph=True"):
+        torch.autograd.grad(out.float().square().sum(), [q], create_graph=True)
+
+    q, k, v = (t.transpose(1, 2) for t in base)
+    with torch.no_grad(), sdpa_launcher("native"):
+        first = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        again = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert torch.equal(first, python_path[0]) and torch.equal(again, python_path[0])
+        static = [t.clone() for t in base]
+        views = [t.transpose(1, 2) for t in static]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            scaled_dot_product_attention(*views, is_causal=True, enable_gqa=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = scaled_dot_product_attention(*views, is_causal=True, enable_gqa=True)
+        fresh = [torch.randn_like(t) for t in base]
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        want = scaled_dot_product_attention(*(t.transpose(1, 2) for t in fresh), is_causal=True, enable_gqa=True)
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
 
 
 def test_growing_cache_reuses_compilations_and_matches_torch(monkeypatch):

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch.autograd import forward_ad
 
+from ..bridge import triton_program
 from ..bridge.triton_autograd import PlannedCall, TritonOp
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
@@ -331,13 +332,17 @@ class NativeFlash(PlannedCall):
     a host-bound model step pays it per layer).
     """
 
-    __slots__ = ("cfg", "spec", "_kernel", "_launches", "_backward_launches")
+    __slots__ = ("cfg", "spec", "_kernel", "_launches", "_backward_launches", "_programs")
     op = FLASH_OP
 
     def __init__(self, cfg: FlashConfig):
         self.cfg, self.spec = cfg, NativeFlashSpec(cfg)
         self._kernel = self._launches = None
         self._backward_launches: dict = {}
+        # Compiled programs (`bridge.triton_program`): "forward" for calls without gradients,
+        # "train" for calls with; -1 where one cannot run. Registered from the launches once their
+        # kernels are compiled (after a call of each kind) and the extension is built.
+        self._programs: dict = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                  mask: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -349,9 +354,17 @@ class NativeFlash(PlannedCall):
                 self._launches = _launches(self.spec, q, k, v, None, None, None, None)
                 self._kernel = kernel
                 self._backward_launches = {}
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                self._programs = {}
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            program = self._programs.get("train" if grad else "forward")
+            if program is not None and program >= 0 and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+                return triton_program.apply(program, [q, k, v])[0]
+            if grad:
                 return self.apply(q, k, v)[0]
-            return _forward(self.spec, q, k, v, None, None, None, None, self._launches)[0]
+            out, lse = _forward(self.spec, q, k, v, None, None, None, None, self._launches)
+            if "forward" not in self._programs and q.is_cuda and triton_program.ready():
+                self._programs["forward"] = _program_id(self._program(q, k, v, out, lse, None))
+            return out
         return flash_forward(q, k, v, self.cfg, bias=bias, mask=mask, seed=seed)[0]
 
     def forward(self, q, k, v):
@@ -366,7 +379,37 @@ class NativeFlash(PlannedCall):
         if launches is None:
             launches = self._backward_launches[strides] = _launches(self.spec, q, k, v, None, None, None, None,
                                                                     strides, False)
-        return _backward(self.spec, (q, k, v, None, None, None, None), (out, lse), grads, _QKV_NEEDS, launches)
+        got = _backward(self.spec, (q, k, v, None, None, None, None), (out, lse), grads, _QKV_NEEDS, launches)
+        if "train" not in self._programs and q.is_cuda and triton_program.ready():
+            self._programs["train"] = _program_id(self._program(q, k, v, out, lse, (dout, launches)))
+        return got
+
+    def _program(self, q, k, v, out, lse, backward: Optional[tuple]) -> Optional[int]:
+        """Registers this signature's compiled program (forward only, or with the backward planned
+        for the gradient layout of `backward` = (dOut, its launches)); None where it cannot run."""
+        layout = lambda t: (tuple(t.shape), tuple(t.stride()), t.dtype)  # noqa: E731
+        # Forward buffers: 0 q, 1 k, 2 v, 3 out, 4 lse.
+        fwd = [(self._launches["fwd"], dict(Q=0, K=1, V=2, Out=3, Lse=4))]
+        common = dict(num_inputs=3, forward_allocs=[layout(out), layout(lse)], forward_launches=fwd, outputs=[3],
+                      second_order_error=FLASH_OP.second_order_message())
+        if backward is None:
+            return triton_program.register(**common, saved=[], grad_layouts=[], backward_allocs=[],
+                                           backward_launches=[], grads=[-1, -1, -1])
+        dout, launches = backward
+        # Backward buffers: 0 q, 1 k, 2 v, 3 out, 4 lse (saved), 5 dOut, 6 Delta, 7 dQ, 8 dK, 9 dV.
+        grads_like = [layout(torch.empty_like(t, device="meta")) for t in (q, k, v)]
+        reads = dict(Q=0, K=1, V=2, dOut=5, Lse=4, Delta=6)
+        return triton_program.register(
+            **common, saved=[0, 1, 2, 3, 4], grad_layouts=[(tuple(out.shape), tuple(dout.stride()), out.dtype)],
+            backward_allocs=[layout(lse)] + grads_like,
+            backward_launches=[(launches["delta"], dict(Out=3, dOut=5, Delta=6)),
+                               (launches["dkdv"], dict(reads, dK=8, dV=9)),
+                               (launches["dq"], dict(reads, dQ=7))],
+            grads=[7, 8, 9])
+
+
+def _program_id(found: Optional[int]) -> int:
+    return -1 if found is None else found
 
 
 #: What the backward of a call without bias, mask or sinks computes: dQ, dK, dV.

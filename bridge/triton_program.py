@@ -1,0 +1,165 @@
+"""Compiled Triton kernels run as a differentiable torch op whose autograd node is C++.
+
+A `KernelLaunch` costs a few microseconds of Python per launch, and an `autograd.Function` adds
+Python to every forward and backward. A model step that is bound by host time pays that per layer.
+Once a call signature's kernels are compiled, its launches are fixed: the sizes, strides, tiles
+and kernel handles no longer change, only the tensors' pointers. A *program* records them (the
+buffers a forward allocates, its launches, what it returns and saves; the same for the backward),
+and a small C++ extension (`triton_program.cpp`) replays it: the forward, the autograd node and
+the backward run without Python, on torch's current stream, through the CUDA driver's
+`cuLaunchKernel`, with torch's caching allocator.
+
+    >>> pid = register(num_inputs=3, forward_allocs=[...], forward_launches=[(launch, {"X": 0, ...})],
+    ...                outputs=[3], saved=[0, 1, 2, 4], grad_layouts=[...], backward_allocs=[...],
+    ...                backward_launches=[...], grads=[6, 7, -1], second_order_error="...")
+    >>> out, = apply(pid, [x, y, z])       # same kernels, same results as the KernelLaunch path
+
+The extension is built with torch's C++ extension tooling (a C++ compiler, no CUDA toolkit) the
+first time a CUDA program is requested, in a background thread; until it is ready (or where it
+cannot be built) `register` returns None and callers keep their Python path. Results are the same
+either way: the same compiled kernels run with the same arguments. `JAXATTN_TRITON_PROGRAMS=0`
+turns the compiled path off; `wait()` blocks until the build has finished (benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from .triton_launch import KernelLaunch, _constexpr_names
+
+ENV_SWITCH = "JAXATTN_TRITON_PROGRAMS"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_program.cpp")
+
+
+class _Build:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.thread: Optional[threading.Thread] = None
+        self.module = None
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+
+    def start(self) -> None:
+        with self.lock:
+            if self.thread is not None:
+                return
+            self.thread = threading.Thread(target=self._run, name="jaxattn-triton-program-build", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            from torch.utils import cpp_extension
+
+            self.module = cpp_extension.load(name="jaxattn_triton_program", sources=[_SOURCE],
+                                             extra_ldflags=["-ldl"], verbose=False)
+        except Exception as exc:  # no compiler, no headers: the Python path stays
+            self.error = exc
+            warnings.warn(f"jaxattn: the compiled launch path could not be built ({type(exc).__name__}: "
+                          f"{str(exc)[:300]}); launches stay on the Python path.", RuntimeWarning, stacklevel=1)
+        finally:
+            self.done.set()
+
+
+_build = _Build()
+
+
+def enabled() -> bool:
+    """Whether compiled programs may be used (`JAXATTN_TRITON_PROGRAMS` is not "0")."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def module():
+    """The extension if it is built, else None (starting its build on first request)."""
+    if not enabled() or _build.error is not None:
+        return None
+    if _build.module is not None:
+        return _build.module
+    _build.start()
+    return _build.module
+
+
+def ready() -> bool:
+    """Whether the extension is built (starting its build, in the background, on first request)."""
+    return module() is not None
+
+
+def wait(timeout: Optional[float] = None) -> bool:
+    """Starts the build if needed and waits for it; whether the extension is usable."""
+    if not enabled():
+        return False
+    _build.start()
+    _build.done.wait(timeout)
+    return _build.module is not None
+
+
+def build_error() -> Optional[BaseException]:
+    """Why the extension could not be built (None: built, building or not requested)."""
+    return _build.error
+
+
+def _launch(ext, launch: KernelLaunch, buffers: Mapping[str, int], constants: list):
+    """A C++ launch of `launch` (whose compiled kernel is known) with its tensor arguments taken from
+    `buffers` (kernel argument name -> buffer index), or None where the compiled path cannot run it."""
+    k = launch._compiled
+    if k is None:
+        return None
+    meta = k.metadata
+    if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False)
+            or getattr(meta, "launch_pdl", False) or getattr(meta, "global_scratch_size", 0)
+            or getattr(meta, "profile_scratch_size", 0) or getattr(meta, "tensordesc_meta", None)):
+        return None
+    constexprs = _constexpr_names(launch.kernel)
+    args = []
+    for name in launch.kernel.arg_names:
+        if name in constexprs:
+            continue
+        if name in buffers and name in launch.tensors:
+            args.append(buffers[name])
+        elif name in launch.fixed:
+            constants.append(launch.fixed[name].data_ptr())
+            args.append(-len(constants))
+        else:  # a runtime scalar: programs carry pointers only
+            return None
+    signature = getattr(getattr(k, "src", None), "signature", None)
+    if signature is not None and sum(1 for t in signature.values() if t != "constexpr") != len(args):
+        return None
+    if k.function is None:
+        return None
+    return ext.Launch(int(k.function), list(launch.grid), 32 * int(meta.num_warps), int(meta.shared), args)
+
+
+def register(*, num_inputs: int, forward_allocs: Sequence[tuple], forward_launches: Sequence[tuple],
+             outputs: Sequence[int], saved: Sequence[int], grad_layouts: Sequence[tuple],
+             backward_allocs: Sequence[tuple], backward_launches: Sequence[tuple], grads: Sequence[int],
+             second_order_error: str) -> Optional[int]:
+    """Registers a program; its id, or None where it cannot run compiled (not built yet, a launch
+    the C++ side does not take). Allocations and gradient layouts are (sizes, strides, dtype);
+    launches are (KernelLaunch, {kernel tensor argument: buffer index}) with compiled kernels; see
+    `triton_program.cpp` for how buffers are numbered."""
+    ext = module()
+    if ext is None:
+        return None
+    constants: list = []
+    built = []
+    for group in (forward_launches, backward_launches):
+        launches = [_launch(ext, launch, buffers, constants) for launch, buffers in group]
+        if any(l is None for l in launches):
+            return None
+        built.append(launches)
+
+    def allocs(specs):
+        return [ext.Alloc([int(n) for n in sizes], [int(s) for s in strides], dtype) for sizes, strides, dtype in specs]
+
+    return ext.register(num_inputs, allocs(forward_allocs), built[0], list(outputs), list(saved),
+                        allocs(grad_layouts), allocs(backward_allocs), built[1], list(grads), constants,
+                        second_order_error)
+
+
+def apply(program_id: int, inputs: list) -> list:
+    """Runs a registered program on `inputs` (differentiable where they require grad)."""
+    return _build.module.apply(program_id, inputs)

@@ -1,0 +1,60 @@
+"""The compiled-program extension's autograd wiring, on CPU (its launches are tested on CUDA in
+test_gpu_native.py). A program without launches that returns its input and takes its gradient as
+the input's gradient is the identity: its output and gradients must be exactly torch's identity's,
+and a second-order backward must raise."""
+
+import shutil
+
+import pytest
+import torch
+
+from jaxattn.bridge import triton_program
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="needs a C++ compiler to build the extension")
+
+
+@pytest.fixture(scope="module")
+def identity():
+    assert triton_program.wait(900), triton_program.build_error()
+    layout = ((3, 5), (5, 1), torch.float32)
+    pid = triton_program.register(
+        num_inputs=2, forward_allocs=[], forward_launches=[], outputs=[0], saved=[], grad_layouts=[layout],
+        backward_allocs=[], backward_launches=[], grads=[0, -1], second_order_error="identity: no second order")
+    assert pid is not None
+    return pid
+
+
+def test_gradient_flows_to_the_inputs_that_have_one(identity):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, generator=gen, requires_grad=True)
+    y = torch.randn(3, 5, generator=gen, requires_grad=True)
+    (out,) = triton_program.apply(identity, [x, y])
+    assert torch.equal(out, x) and out.grad_fn is not None
+    cot = torch.randn(3, 5, generator=gen)
+    (out * cot).sum().backward()
+    assert torch.equal(x.grad, cot)
+    assert y.grad is None
+
+
+def test_other_gradient_layouts_are_read_in_the_planned_one(identity):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, generator=gen, requires_grad=True)
+    (out,) = triton_program.apply(identity, [x, x.detach()])
+    cot = torch.randn(5, 3, generator=gen).t()  # strides (1, 3): copied into (5, 1)
+    out.backward(cot)
+    assert torch.equal(x.grad, cot)
+
+
+def test_second_order_raises(identity):
+    x = torch.randn(3, 5, requires_grad=True)
+    (out,) = triton_program.apply(identity, [x, x.detach()])
+    with pytest.raises(NotImplementedError, match="identity: no second order"):
+        torch.autograd.grad(out.square().sum(), [x], create_graph=True)
+
+
+def test_no_graph_without_grad(identity):
+    x = torch.randn(3, 5, requires_grad=True)
+    with torch.no_grad():
+        (out,) = triton_program.apply(identity, [x, x.detach()])
+    assert out.grad_fn is None and not out.requires_grad
