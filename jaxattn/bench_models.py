@@ -629,8 +629,16 @@ def run_models(size: Optional[str] = None, *, device: Optional[str] = None, impl
     plan_ = plan(size, device)
     jax_name = register_transformers("jaxattn" if implementation is None else "jaxattn_forced", implementation)
     _start_runtimes(device)
-    run = _Run(device, plan_, implementation, profile, out_dir, progress,
-               _header(device, plan_, jax_name, implementation))
+    header = _header(device, plan_, jax_name, implementation)
+    from .bridge import triton_program
+
+    if device == "cuda" and triton_program.enabled():  # measure the steady path: programs built
+        import time
+
+        start = time.perf_counter()
+        header["compiled_launch_programs"] = triton_program.wait(900)
+        header["compiled_launch_programs_build_s"] = round(time.perf_counter() - start, 1)
+    run = _Run(device, plan_, implementation, profile, out_dir, progress, header)
     for backward in (False, True):
         _small_cell(run, backward)
     max_positions = max([length for spec in plan_.models for _, length in spec.cases]

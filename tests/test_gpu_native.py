@@ -37,7 +37,7 @@ def test_repeated_eager_calls_take_the_direct_launch(monkeypatch):
     from jaxattn.bridge.triton_launch import KernelLaunch
     from jaxattn.torch_api import sdpa as sdpa_module
 
-    monkeypatch.setenv("JAXATTN_TRITON_PROGRAMS", "0")  # the Python launch path (the compiled one is tested below)
+    monkeypatch.setenv("JAXATTN_TRITON_PROGRAMS", "0")  # the default Python launch path (the compiled one is tested below)
     monkeypatch.setattr(sdpa_module, "_plans", {})
     q, k, v = _qkv(b=1, hq=4, hk=2, l=128, s=128, grad=True)
     call = lambda: scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
@@ -61,6 +61,7 @@ def test_compiled_program_replays_the_launches_bit_for_bit(monkeypatch):
     from jaxattn.bridge import triton_program
     from jaxattn.torch_api import sdpa as sdpa_module
 
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
     assert triton_program.wait(600), triton_program.build_error()
     monkeypatch.setattr(sdpa_module, "_plans", {})
     gen = torch.Generator(device=DEV).manual_seed(7)

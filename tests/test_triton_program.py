@@ -16,7 +16,13 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
 
 @pytest.fixture(scope="module")
 def identity():
-    assert triton_program.wait(900), triton_program.build_error()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(triton_program.ENV_SWITCH, "1")
+        assert triton_program.wait(900), triton_program.build_error()
+        return _register_identity()
+
+
+def _register_identity():
     layout = ((3, 5), (5, 1), torch.float32)
     pid = triton_program.register(
         num_inputs=2, forward_allocs=[], forward_launches=[], outputs=[0], saved=[], grad_layouts=[layout],
