@@ -33,7 +33,8 @@ _GPU_FEATURES = frozenset(
     {"causal", "causal_bottom_right", "bias", "bool_mask", "gqa", "sliding_window", "softcap", "sinks", "lse",
      "backward", "segment_ids", "varlen", "dropout"}
 )
-_TPU_FEATURES = frozenset({"causal", "bias", "segment_ids", "lse", "backward"})
+# The Pallas TPU kernel keeps its log-sum-exp internal: "lse" is not among these.
+_TPU_FEATURES = frozenset({"causal", "bias", "segment_ids", "backward"})
 
 
 def _has_module(name: str) -> bool:

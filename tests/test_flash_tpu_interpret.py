@@ -48,6 +48,9 @@ def test_tpu_reasons_for_unsupported_features():
     q, k, v, _ = _inputs(0)
     with pytest.raises(NotImplementedError, match="softcap.*TPU|TPU.*softcap"):
         attention(q, k, v, logits_soft_cap=3.0, implementation="flash", metadata=TPU)
+    # The kernel does not return its log-sum-exp: asking for it is refused, never answered with None.
+    with pytest.raises(NotImplementedError, match="lse.*TPU|TPU.*lse"):
+        attention(q, k, v, return_lse=True, implementation="flash", metadata=TPU)
     q_short = q[:, :100]
     with pytest.raises(ValueError, match="multiples of 128"):
         attention(q_short, k, v, implementation="flash", metadata=TPU)
