@@ -362,8 +362,8 @@ class NativeFlash(PlannedCall):
             if grad:
                 return self.apply(q, k, v)[0]
             out, lse = _forward(self.spec, q, k, v, None, None, None, None, self._launches)
-            if "forward" not in self._programs and q.is_cuda and triton_program.ready():
-                self._programs["forward"] = _program_id(self._program(q, k, v, out, lse, None))
+            if "forward" not in self._programs:
+                self._record_program("forward", q, lambda: self._program(q, k, v, out, lse, None))
             return out
         return flash_forward(q, k, v, self.cfg, bias=bias, mask=mask, seed=seed)[0]
 
@@ -380,9 +380,18 @@ class NativeFlash(PlannedCall):
             launches = self._backward_launches[strides] = _launches(self.spec, q, k, v, None, None, None, None,
                                                                     strides, False)
         got = _backward(self.spec, (q, k, v, None, None, None, None), (out, lse), grads, _QKV_NEEDS, launches)
-        if "train" not in self._programs and q.is_cuda and triton_program.ready():
-            self._programs["train"] = _program_id(self._program(q, k, v, out, lse, (dout, launches)))
+        if "train" not in self._programs:
+            self._record_program("train", q, lambda: self._program(q, k, v, out, lse, (dout, launches)))
         return got
+
+    def _record_program(self, kind: str, q: torch.Tensor, register) -> None:
+        """Settles `kind`'s program once per signature: -1 off CUDA or with programs switched off, the
+        registered id (or -1) once the extension is built; nothing while it is still building."""
+        if not q.is_cuda or not triton_program.enabled():
+            self._programs[kind] = -1
+        elif triton_program.ready():
+            found = register()
+            self._programs[kind] = -1 if found is None else found
 
     def _program(self, q, k, v, out, lse, backward: Optional[tuple]) -> Optional[int]:
         """Registers this signature's compiled program (forward only, or with the backward planned
@@ -406,10 +415,6 @@ class NativeFlash(PlannedCall):
                                (launches["dkdv"], dict(reads, dK=8, dV=9)),
                                (launches["dq"], dict(reads, dQ=7))],
             grads=[7, 8, 9])
-
-
-def _program_id(found: Optional[int]) -> int:
-    return -1 if found is None else found
 
 
 #: What the backward of a call without bias, mask or sinks computes: dQ, dK, dV.
