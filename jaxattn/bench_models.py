@@ -20,10 +20,12 @@ registered), so both see the same weights and inputs in the same process. Cells 
     small-fwd+bwd      causal call (1, 4, 128, 64), forward / forward+backward, µs per call
 
 Timing: each implementation is warmed up first (its first call, with compilation, is reported as
-warmup_s), then timed loops alternate sdpa, jaxattn, sdpa, ... (`repeats` loops each, the same
-number of calls per loop), synchronised before and after each loop; a cell reports the median time
-per call and the [min, max] over loops. Ratio = jaxattn speed / sdpa speed (sdpa_ms / jaxattn_ms;
-> 1: jaxattn faster). A cell that raises is recorded with "error: <type>: <message>" (and
+warmup_s), then `repeats` rounds of one timed loop each (the same number of calls per loop),
+sdpa then jaxattn in even rounds and jaxattn then sdpa in odd ones, synchronised before and after
+each loop; a cell reports the median time per call and the [min, max] over loops. Ratio = jaxattn
+speed / sdpa speed (sdpa_ms / jaxattn_ms; > 1: jaxattn faster); paired_ratio is the median over
+rounds of the two loops' ratio, with its quartiles: the host's speed drifts between rounds by more
+than the gaps measured here, and a round's two loops share the drift. A cell that raises is recorded with "error: <type>: <message>" (and
 "failed_impl": the implementation whose call raised) and the run goes on. Output: a table on
 stdout; models.json and models.md in --out (rewritten after each cell).
 """
@@ -109,12 +111,12 @@ class Plan:
     models: tuple[ModelSpec, ...]
     prompt_len: int
     new_tokens: int
-    repeats: int = 5
+    repeats: int = 9
     loop_s: float = 0.3
     max_calls: int = 50
     small_shape: tuple[int, int, int, int] = (1, 4, 128, 64)
     small_loop_s: float = 0.05
-    gen_runs: int = 3
+    gen_runs: int = 5
 
 
 def plan(size: str, device: str) -> Plan:
@@ -122,7 +124,8 @@ def plan(size: str, device: str) -> Plan:
     dtype = "bfloat16" if device == "cuda" else "float32"
     if size == "tiny":
         tiny = ModelSpec("tiny", 64, 2, 4, 2, 128, 128, cases=((2, 32),), generate_batches=(1, 2))
-        return Plan("tiny", dtype, (tiny,), prompt_len=16, new_tokens=4, loop_s=0.01, small_loop_s=0.005)
+        return Plan("tiny", dtype, (tiny,), prompt_len=16, new_tokens=4, repeats=5, loop_s=0.01,
+                    small_loop_s=0.005, gen_runs=3)
     if size == "full":
         # Intermediate sizes of the Llama ratio (about 8/3 x hidden): attention is a visible share of a step.
         a = ModelSpec("A", 1024, 16, 16, 8, 2816, 32000, cases=((16, 512), (4, 2048)))
@@ -149,6 +152,11 @@ class Timings:
     def spread_ms(self, impl: str) -> list[float]:
         return [min(self.per_call_s[impl]) * 1e3, max(self.per_call_s[impl]) * 1e3]
 
+    def paired_ratios(self, base: str, other: str) -> list[float]:
+        """Per round, base's time / other's time: both loops of a round ran back to back, so a
+        drift of the host's speed (which moves whole runs by several percent) cancels within a pair."""
+        return [b / o for b, o in zip(self.per_call_s[base], self.per_call_s[other])]
+
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], select: Callable[[str], None], clock, *, repeats: int,
                      loop_s: float, max_calls: int, warmup: int = 1) -> Timings:
@@ -157,7 +165,8 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], select: Callable[[str]
     Each implementation is selected (`select(impl)`, untimed) and called once (timed on its own,
     synchronised: compilation shows up here) and `warmup` more times. The slowest warm-up call sets
     the calls per loop (about `loop_s` seconds, 1 to `max_calls`), the same for every implementation.
-    Then `repeats` rounds of one loop per implementation, in the order of `calls`.
+    Then `repeats` rounds of one loop per implementation, in the order of `calls` in even rounds
+    and the reverse order in odd ones (so that neither implementation always runs first in a pair).
 
     Args:
         calls: implementation name -> call.
@@ -182,8 +191,9 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], select: Callable[[str]
         slowest = max(slowest, last)
     n = int(min(max_calls, max(1, math.ceil(loop_s / max(slowest, 1e-9)))))
     per_call: dict[str, list[float]] = {impl: [] for impl in calls}
-    for _ in range(repeats):
-        for impl, fn in calls.items():
+    order = list(calls.items())
+    for round_ in range(repeats):
+        for impl, fn in (order if round_ % 2 == 0 else order[::-1]):
             with _blame(impl):
                 select(impl)
                 clock.sync()  # the loop starts on an idle device ...
@@ -233,10 +243,21 @@ def _fill(cell: dict, timings: Timings) -> dict:
         cell[f"{impl}_ms"] = timings.median_ms(impl)
         cell[f"{impl}_spread"] = timings.spread_ms(impl)
     cell["ratio"] = cell["sdpa_ms"] / cell["jaxattn_ms"]
+    paired = sorted(timings.paired_ratios(*IMPLS))
+    cell["paired_ratio"] = statistics.median(paired)
+    cell["paired_ratio_quartiles"] = [_quantile(paired, 0.25), _quantile(paired, 0.75)]
     cell["warmup_s"] = {impl: timings.warmup_s[impl] for impl in IMPLS}
     cell["calls_per_loop"] = timings.calls_per_loop
     cell["repeats"] = len(timings.per_call_s[IMPLS[0]])
     return cell
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks of a sorted list."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def error_text(exc: BaseException) -> str:
@@ -568,9 +589,10 @@ def _header(device: str, plan_: Plan, jax_name: str, implementation: Optional[st
         "models": {spec.name: spec.describe() for spec in plan_.models},
         "prompt_len": plan_.prompt_len, "new_tokens": plan_.new_tokens, "repeats": plan_.repeats,
         "generate_runs": plan_.gen_runs, "command": "jaxattn " + " ".join(sys.argv[1:]) if sys.argv else None,
-        "timing": "warm-up first (reported as warmup_s: first call, compilation included), then loops alternating "
-                  "sdpa and jaxattn, synchronised around each loop; median and [min, max] over loops of the time "
-                  "per call",
+        "timing": "warm-up first (reported as warmup_s: first call, compilation included), then rounds of one loop "
+                  "per implementation (order alternating between rounds), synchronised around each loop; median and "
+                  "[min, max] over loops of the time per call; paired_ratio: median and quartiles over rounds of "
+                  "the round's sdpa / jaxattn time",
         "ratio": "sdpa_ms / jaxattn_ms = jaxattn speed / sdpa speed (> 1: jaxattn faster)",
     }
 
@@ -697,6 +719,9 @@ def _note(cell: dict) -> str:
     notes = []
     if cell["error"]:
         notes.append(f"{cell['failed_impl']}: {cell['error']}" if cell.get("failed_impl") else cell["error"])
+    if cell.get("paired_ratio") is not None:
+        lo, hi = cell["paired_ratio_quartiles"]
+        notes.append(f"paired {cell['paired_ratio']:.2f}x [{lo:.2f}, {hi:.2f}]")
     if cell.get("tokens_match") is False:
         notes.append("tokens differ")
     if cell.get("kernel_total_us"):

@@ -13,7 +13,9 @@ import torch
 pytest.importorskip("transformers")
 
 from jaxattn import bench_models, cli  # noqa: E402
-from jaxattn.bench_models import MODES, ImplementationFailed, error_text, run_models, time_interleaved  # noqa: E402
+from jaxattn.bench_models import (  # noqa: E402
+    MODES, ImplementationFailed, Timings, _cell, _fill, error_text, run_models, time_interleaved,
+)
 from jaxattn.bench_timing import Clock  # noqa: E402
 
 CELL_KEYS = {"model", "case", "mode", "sdpa_ms", "jaxattn_ms", "sdpa_spread", "jaxattn_spread", "ratio", "error"}
@@ -64,6 +66,8 @@ def test_every_cell_has_positive_times_or_an_error(tiny):
             assert 0 < low <= ms <= high, c
             assert c["warmup_s"][impl] > 0
         assert c["ratio"] == pytest.approx(c["sdpa_ms"] / c["jaxattn_ms"])
+        lo, hi = c["paired_ratio_quartiles"]
+        assert lo <= c["paired_ratio"] <= hi
         assert c["repeats"] == (3 if c["mode"].startswith("generate") else 5) and c["calls_per_loop"] >= 1
     # Every cell runs on the CPU (the static cache is not compiled there): an error here is a failure.
     assert [c["error"] for c in cells] == [None] * len(cells)
@@ -118,11 +122,27 @@ def test_time_interleaved_alternates_after_the_warm_up():
     calls = {"sdpa": lambda: order.append("s"), "jaxattn": lambda: order.append("j")}
     selected = []
     timings = time_interleaved(calls, selected.append, Clock("cpu"), repeats=3, loop_s=0.0, max_calls=1, warmup=1)
-    assert order == ["s", "s", "j", "j"] + ["s", "j"] * 3  # first call + warm-up each, then alternating loops
-    assert selected == ["sdpa", "jaxattn"] + ["sdpa", "jaxattn"] * 3
+    # first call + warm-up each, then one loop each per round, the order reversed every other round
+    assert order == ["s", "s", "j", "j"] + ["s", "j", "j", "s", "s", "j"]
+    assert selected == ["sdpa", "jaxattn"] + ["sdpa", "jaxattn", "jaxattn", "sdpa", "sdpa", "jaxattn"]
     assert timings.calls_per_loop == 1 and len(timings.per_call_s["jaxattn"]) == 3
     lo, hi = timings.spread_ms("sdpa")
     assert 0 < lo <= timings.median_ms("sdpa") <= hi
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio():
+    WARM = {"sdpa": 1.0, "jaxattn": 1.0}
+    # Round times drift (the second implementation is always 10% slower within a round, while whole
+    # rounds move by 2x): the ratio of medians mixes rounds, the paired median does not.
+    timings = Timings({"sdpa": [1.0, 2.0, 1.0, 4.0, 1.0], "jaxattn": [1.1, 2.2, 1.1, 4.4, 1.1]}, WARM, 1)
+    assert timings.paired_ratios("sdpa", "jaxattn") == pytest.approx([1 / 1.1] * 5)
+    cell = _fill(_cell("m", "c", "train"), timings)
+    assert cell["paired_ratio"] == pytest.approx(1 / 1.1)
+    assert cell["paired_ratio_quartiles"] == pytest.approx([1 / 1.1, 1 / 1.1])
+    uneven = Timings({"sdpa": [1.0, 1.0, 1.0, 1.0], "jaxattn": [1.0, 2.0, 4.0, 5.0]}, WARM, 1)
+    cell = _fill(_cell("m", "c", "train"), uneven)
+    assert cell["paired_ratio"] == pytest.approx((0.5 + 0.25) / 2)
+    assert cell["paired_ratio_quartiles"] == pytest.approx([0.2 + 0.05 * 0.75, 0.5 + 0.5 * 0.25])
 
 
 def test_time_interleaved_names_the_failing_implementation():
