@@ -113,6 +113,19 @@ at::Tensor allocate(const Alloc& a, const at::TensorOptions& options) {
   return at::empty_strided(a.sizes, a.strides, options.dtype(a.dtype));
 }
 
+// The forward's buffers after its launches: the inputs, then the forward's allocations.
+std::vector<at::Tensor> run_forward(const Program& p, at::TensorList inputs) {
+  TORCH_CHECK(static_cast<int64_t>(inputs.size()) == p.num_inputs, "triton_program: expected ", p.num_inputs,
+              " inputs, got ", inputs.size());
+  c10::DeviceGuard guard(inputs[0].device());
+  std::vector<at::Tensor> buffers(inputs.begin(), inputs.end());
+  buffers.reserve(inputs.size() + p.forward_allocs.size());
+  const at::TensorOptions options = inputs[0].options();
+  for (const Alloc& a : p.forward_allocs) buffers.push_back(allocate(a, options));
+  run(p, p.forward_launches, buffers, inputs[0].device());
+  return buffers;
+}
+
 bool same_layout(const at::Tensor& t, const Alloc& a) {
   if (t.scalar_type() != a.dtype || t.dim() != static_cast<int64_t>(a.sizes.size())) return false;
   if (reinterpret_cast<uint64_t>(t.data_ptr()) & 15) return false;  // kernels were compiled for aligned pointers
@@ -126,12 +139,7 @@ bool same_layout(const at::Tensor& t, const Alloc& a) {
 struct ProgramFunction : public torch::autograd::Function<ProgramFunction> {
   static variable_list forward(AutogradContext* ctx, int64_t id, at::TensorList inputs) {
     auto p = program(id);
-    TORCH_CHECK(static_cast<int64_t>(inputs.size()) == p->num_inputs, "triton_program: expected ", p->num_inputs,
-                " inputs, got ", inputs.size());
-    c10::DeviceGuard guard(inputs[0].device());
-    std::vector<at::Tensor> buffers(inputs.begin(), inputs.end());
-    for (const Alloc& a : p->forward_allocs) buffers.push_back(allocate(a, inputs[0].options()));
-    run(*p, p->forward_launches, buffers, inputs[0].device());
+    std::vector<at::Tensor> buffers = run_forward(*p, inputs);
     variable_list outs, saved;
     for (int64_t i : p->outputs) outs.push_back(buffers[i]);
     for (int64_t i : p->saved) saved.push_back(buffers[i]);
@@ -215,4 +223,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   // A TensorList argument, not a vector: autograd takes edges from tensors and tensor lists only.
   m.def("apply", [](int64_t id, variable_list inputs) { return ProgramFunction::apply(id, at::TensorList(inputs)); });
+  // Without autograd (no input needs a gradient, or grad mode is off): the forward's outputs only.
+  m.def("forward_only", [](int64_t id, variable_list inputs) {
+    auto p = program(id);
+    std::vector<at::Tensor> buffers = run_forward(*p, inputs);
+    variable_list outs;
+    for (int64_t i : p->outputs) outs.push_back(buffers[i]);
+    return outs;
+  });
 }

@@ -62,7 +62,7 @@ class _Build:
             from torch.utils import cpp_extension
 
             self.module = cpp_extension.load(name="jaxattn_triton_program", sources=[_SOURCE],
-                                             extra_ldflags=["-ldl"], verbose=False)
+                                             extra_cflags=["-O3"], extra_ldflags=["-ldl"], verbose=False)
         except Exception as exc:  # no compiler, no headers: the Python path stays
             self.error = exc
             warnings.warn(f"jaxattn: the compiled launch path could not be built ({type(exc).__name__}: "
@@ -161,11 +161,34 @@ def register(*, num_inputs: int, forward_allocs: Sequence[tuple], forward_launch
     def allocs(specs):
         return [ext.Alloc([int(n) for n in sizes], [int(s) for s in strides], dtype) for sizes, strides, dtype in specs]
 
-    return ext.register(num_inputs, allocs(forward_allocs), built[0], list(outputs), list(saved),
-                        allocs(grad_layouts), allocs(backward_allocs), built[1], list(grads), constants,
-                        second_order_error)
+    program_id = ext.register(num_inputs, allocs(forward_allocs), built[0], list(outputs), list(saved),
+                              allocs(grad_layouts), allocs(backward_allocs), built[1], list(grads), constants,
+                              second_order_error)
+    _inputs.append(num_inputs)
+    return program_id
+
+
+#: Per registered program (by id), its number of inputs. Calls are checked here, not in C++: an
+#: exception thrown inside the extension has been seen to crash the process on CUDA hosts whose
+#: compiler differs from torch's, so the extension is only called with arguments it accepts.
+_inputs: list = []
+
+
+def _check(program_id: int, inputs: list) -> None:
+    if not (type(program_id) is int and 0 <= program_id < len(_inputs)):
+        raise ValueError(f"program_id={program_id!r}: unknown program (registered ids: 0 to {len(_inputs) - 1}).")
+    if len(inputs) != _inputs[program_id]:
+        raise ValueError(f"inputs: program {program_id} takes {_inputs[program_id]} tensors, got {len(inputs)}.")
 
 
 def apply(program_id: int, inputs: list) -> list:
     """Runs a registered program on `inputs` (differentiable where they require grad)."""
+    _check(program_id, inputs)
     return _build.module.apply(program_id, inputs)
+
+
+def forward_only(program_id: int, inputs: list) -> list:
+    """Runs a registered program's forward on `inputs` without recording it for autograd (for calls
+    where no input needs a gradient: no autograd node is built)."""
+    _check(program_id, inputs)
+    return _build.module.forward_only(program_id, inputs)

@@ -64,3 +64,29 @@ def test_no_graph_without_grad(identity):
     with torch.no_grad():
         (out,) = triton_program.apply(identity, [x, x.detach()])
     assert out.grad_fn is None and not out.requires_grad
+
+
+def test_forward_only_records_no_graph_even_in_grad_mode(identity, monkeypatch):
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    # A program whose output is a forward allocation (no launches: its values are not read).
+    alloc = ((2, 3), (1, 2), torch.float64)
+    pid = triton_program.register(
+        num_inputs=2, forward_allocs=[alloc], forward_launches=[], outputs=[2], saved=[], grad_layouts=[alloc],
+        backward_allocs=[], backward_launches=[], grads=[-1, -1], second_order_error="no second order")
+    x = torch.randn(3, 5, requires_grad=True)
+    (out,) = triton_program.forward_only(pid, [x, x.detach()])
+    assert out.shape == (2, 3) and out.stride() == (1, 2) and out.dtype == torch.float64
+    assert out.grad_fn is None and not out.requires_grad
+    (recorded,) = triton_program.apply(pid, [x, x.detach()])
+    assert recorded.grad_fn is not None
+
+
+def test_unknown_program_raises(identity):
+    x = torch.randn(3, 5)
+    for bad in (-1, 10**6, None):
+        with pytest.raises(ValueError, match="unknown program"):
+            triton_program.forward_only(bad, [x, x])
+        with pytest.raises(ValueError, match="unknown program"):
+            triton_program.apply(bad, [x, x])
+    with pytest.raises(ValueError, match="takes 2 tensors, got 3"):
+        triton_program.apply(identity, [x, x, x])

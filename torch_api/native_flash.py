@@ -358,7 +358,9 @@ class NativeFlash(PlannedCall):
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             program = self._programs.get("train" if grad else "forward")
             if program is not None and program >= 0 and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-                return triton_program.apply(program, [q, k, v])[0]
+                if grad:
+                    return triton_program.apply(program, [q, k, v])[0]
+                return triton_program.forward_only(program, [q, k, v])[0]
             if grad:
                 return self.apply(q, k, v)[0]
             out, lse = _forward(self.spec, q, k, v, None, None, None, None, self._launches)
