@@ -1,4 +1,4 @@
-"""Decode attention benchmark on CUDA: bandwidth of the Triton split-K kernel against the device's
+"""Decode attention benchmark on CUDA: bandwidth of the Triton stream-K decode kernel against the device's
 copy bandwidth and against torch SDPA over the padded cache with a mask.
 
     python benchmarks/decode_gpu.py [--out decode.json] [--sweep]
@@ -21,15 +21,17 @@ Setting (the issue's): bf16, Hq=32, Hkv=8, D=128, one query per sequence.
   * paged (page size 16, pages in random order) against the contiguous cache.
 Steady-state timing: back-to-back calls between CUDA events (torch) or to block_until_ready (JAX),
 median of 5 repeats after warm-up (see foundation_gpu.py `time_torch` / `time_jax`).
-`--sweep` also times tiles (BLOCK_N, warps, stages) and split counts of the kernel itself;
+`--sweep` also times tiles (BLOCK_N, warps, stages) and programs per multiprocessor of the kernel
+itself (`SweptDecodeConfig`, this benchmark's own: the product takes its tuned choices);
 `--ragged-sweep` only does that for ragged caches, next to torch SDPA and the read-only bandwidth;
 `--ragged-draws N` times N draws of ragged lengths per shape (ours and torch SDPA on each draw);
-`--stream` compares the split and stream schedules (`DecodeConfig.schedule`) on full and ragged caches.
+`--stream` times programs per multiprocessor x tiles on full caches and several ragged draws.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -43,15 +45,40 @@ import jax  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import statistics  # noqa: E402
+from typing import Optional  # noqa: E402
 
 from foundation_gpu import time_jax, time_torch  # noqa: E402
 
 from jaxattn.bridge import to_jax  # noqa: E402
 from jaxattn.jax_core import decode_attention as jax_decode  # noqa: E402
-from jaxattn.jax_core.kernels.decode_jax_triton import DecodeConfig, decode_attention_triton  # noqa: E402
+from jaxattn.jax_core.kernels.decode_jax_triton import (STREAM_PROGRAMS_PER_SM, DecodeConfig,  # noqa: E402
+                                                         decode_attention_triton)
 from jaxattn.torch_api import decode_attention  # noqa: E402
 
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class SweptDecodeConfig(DecodeConfig):
+    """DecodeConfig with the launch choices under test: `tile` (BLOCK_N, num_warps, num_stages) and
+    `programs_per_sm` of the stream schedule; None keeps the product's tuned choice."""
+
+    tile: Optional[tuple[int, int, int]] = None
+    programs_per_sm: Optional[int] = None
+
+    def launch_tiles(self, d, dv, dtype_bytes):
+        return self.tile or super().launch_tiles(d, dv, dtype_bytes)
+
+    def stream_programs(self):
+        tuned = super().stream_programs()
+        return tuned if self.programs_per_sm is None else tuned // STREAM_PROGRAMS_PER_SM * self.programs_per_sm
+
+
+def kernel_fn(**launch):
+    """The jitted kernel alone on (B, Hq, 1, D) queries and a cache of `launch`'s layout (default
+    (B, S, Hkv, D)), with `launch`'s tile and programs per multiprocessor."""
+    cfg = SweptDecodeConfig(scale=D ** -0.5, q_layout="BHTD", **launch)
+    return jax.jit(lambda q, k, v, n: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
 
 
 def copy_bandwidth(gib=1.0):
@@ -192,53 +219,35 @@ def latency_b1(s=4096):
 
 
 def sweep(shapes, copy_gbps):
-    """Kernel-only timings (JAX level) over tiles (at the default split count) and split counts
-    (at the default tile), for full or ragged (`ragged`: lengths uniform in [S/8, S]) caches."""
+    """Kernel-only timings (JAX level) over tiles (at the tuned programs per multiprocessor) and
+    programs per multiprocessor (at the tuned tile), for full or ragged (`ragged`: lengths uniform
+    in [S/8, S]) caches."""
     rows = []
     tiles = [None, (32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (64, 8, 4), (128, 8, 3)]
     for b, s, ragged in shapes:
         lengths, (qj, kj, vj, nj) = bshd_case(b, s, ragged)
         for tile in tiles:
-            for splits in (None, 2, 4, 8, 16, 32, 64):
-                if splits is not None and tile is not None:
-                    continue  # splits are swept at the default tile
-                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", tiles=tile, num_splits=splits, schedule="split")
-                fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
+            for pps in (None, 1, 2, 3, 4):
+                if pps is not None and tile is not None:
+                    continue  # programs are swept at the tuned tile
+                fn = kernel_fn(tile=tile, programs_per_sm=pps)
                 try:
                     us = time_jax(lambda: fn(qj, kj, vj, nj), iters=20)
                 except Exception as exc:  # a tile Triton cannot compile: record and go on
-                    rows.append({"B": b, "S": s, "ragged": ragged, "tile": tile, "splits": splits, "error": str(exc)[:160]})
+                    rows.append({"B": b, "S": s, "ragged": ragged, "tile": tile, "programs_per_sm": pps,
+                                 "error": str(exc)[:160]})
                     continue
                 gbps = kv_bytes(lengths) / us / 1e3
-                rows.append({"B": b, "S": s, "ragged": ragged, "tile": tile, "splits": splits, "us": us,
+                rows.append({"B": b, "S": s, "ragged": ragged, "tile": tile, "programs_per_sm": pps, "us": us,
                              "gbps": gbps, "frac_of_copy": gbps / copy_gbps})
                 print(json.dumps(rows[-1]), flush=True)
         del qj, kj, vj
     return rows
 
 
-def balance(copy_gbps):
-    """Split counts x split rule (fixed-size shares vs per-sequence equal shares), JAX level."""
-    rows = []
-    for b, s, ragged in [(8, 32768, True), (32, 8192, True), (8, 32768, False)]:
-        lengths, (qj, kj, vj, nj) = bshd_case(b, s, ragged)
-        for fixed in (False, True):
-            for splits in (None, 8, 16, 32, 64):
-                cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", num_splits=splits, fixed_shares=fixed,
-                                   schedule="split")
-                fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
-                us = time_jax(lambda: fn(qj, kj, vj, nj), iters=30)
-                gbps = kv_bytes(lengths) / us / 1e3
-                rows.append({"B": b, "S": s, "ragged": ragged, "fixed_shares": fixed, "splits": splits, "us": us,
-                             "frac_of_copy": gbps / copy_gbps})
-                print(json.dumps(rows[-1]), flush=True)
-        del qj, kj, vj
-    return rows
-
-
 def ragged_sweep(copy_gbps):
-    """Ragged caches (and the full B=8 one for reference): cache layouts x tiles x split counts
-    (fixed-size shares), with torch SDPA over the padded (B, Hkv, S, D) cache timed in the same
+    """Ragged caches (and the full B=8 one for reference): cache layouts x tiles x programs per
+    multiprocessor, with torch SDPA over the padded (B, Hkv, S, D) cache timed in the same
     process, and the device's read-only bandwidth (a bf16 sum of 1 GiB)."""
     src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
     read_us = time_torch(lambda: src.sum(dtype=torch.float32), iters=20)
@@ -259,12 +268,10 @@ def ragged_sweep(copy_gbps):
                 k, v = k_bhsd, v_bhsd
             qj, kj, vj, nj = to_jax([q, k, v, lengths])
             for tile in tiles:
-                for splits in (None, 16, 32):
-                    cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", cache_layout=layout, tiles=tile,
-                                       num_splits=splits, schedule="split")
-                    fn = jax.jit(lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
-                    row = {"B": b, "S": s, "ragged": ragged, "layout": layout, "tile": tile, "splits": splits,
-                           "torch_sdpa_us": torch_us}
+                for pps in (None, 1, 4):
+                    fn = kernel_fn(cache_layout=layout, tile=tile, programs_per_sm=pps)
+                    row = {"B": b, "S": s, "ragged": ragged, "layout": layout, "tile": tile,
+                           "programs_per_sm": pps, "torch_sdpa_us": torch_us}
                     try:
                         row["us"] = time_jax(lambda: fn(qj, kj, vj, nj), iters=30)
                     except Exception as exc:  # a tile Triton cannot compile: record and go on
@@ -321,11 +328,9 @@ def ragged_draws(copy_gbps, draws):
 
 
 def stream_sweep(copy_gbps, draws=4):
-    """The split schedule (default tiles and splits) against the stream schedule (programs per
-    multiprocessor x tiles) on full caches and `draws` ragged draws per shape, JAX level, with torch
-    SDPA over the padded cache timed on the same draw."""
-    configs = [("split", None, None)] + [("stream", pps, tile) for tile in [(64, 4, 3), (64, 4, 4), (128, 4, 3)]
-                                         for pps in (1, 2, 3, 4)]
+    """Programs per multiprocessor x tiles of the stream schedule on full caches and `draws` ragged
+    draws per shape, JAX level, with torch SDPA over the padded cache timed on the same draw."""
+    configs = [(pps, tile) for tile in [(64, 4, 3), (64, 4, 4), (128, 4, 3)] for pps in (1, 2, 3, 4)]
     out = []
     for b, s in [(8, 32768), (32, 8192)]:
         gen = torch.Generator(device="cuda").manual_seed(b * s)
@@ -333,11 +338,8 @@ def stream_sweep(copy_gbps, draws=4):
         k, v = (x.transpose(1, 2).contiguous() for x in (k_bhsd, v_bhsd))
         qj, kj, vj = to_jax([q, k, v])
         fns = {}
-        for schedule, pps, tile in configs:
-            cfg = DecodeConfig(scale=D ** -0.5, q_layout="BHTD", cache_layout="BSHD", tiles=tile, schedule=schedule,
-                               stream_programs_per_sm=pps or 2)
-            fns[(schedule, pps, tile)] = jax.jit(
-                lambda q, k, v, n, cfg=cfg: decode_attention_triton(q, k, v, n, None, None, None, cfg)[0])
+        for pps, tile in configs:
+            fns[(pps, tile)] = kernel_fn(tile=tile, programs_per_sm=pps)
         for seed in [None] + list(range(draws)):
             lengths = (torch.full((b,), s, device="cuda", dtype=torch.int32) if seed is None
                        else cache_lengths(b, s, True, torch.Generator(device="cuda").manual_seed(seed)))
@@ -349,7 +351,7 @@ def stream_sweep(copy_gbps, draws=4):
             (nj,) = to_jax([lengths])
             nbytes = kv_bytes(lengths)
             for key, fn in fns.items():
-                row = {"B": b, "S": s, "seed": seed, "schedule": key[0], "programs_per_sm": key[1], "tile": key[2],
+                row = {"B": b, "S": s, "seed": seed, "programs_per_sm": key[0], "tile": key[1],
                        "valid_fraction": nbytes / (b * s * HKV * D * 4), "torch_sdpa_us": torch_us}
                 row["us"] = time_jax(lambda: fn(qj, kj, vj, nj), iters=30)
                 row["frac_of_copy"] = nbytes / row["us"] / 1e3 / copy_gbps
@@ -426,17 +428,15 @@ def small_caches():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    parser.add_argument("--sweep", action="store_true", help="also sweep tiles and split counts")
+    parser.add_argument("--sweep", action="store_true", help="also sweep tiles and programs per multiprocessor")
     parser.add_argument("--only-sweep", action="store_true", help="only the sweep")
-    parser.add_argument("--balance", action="store_true",
-                        help="only compare split rules (fixed-size vs per-sequence shares) and counts")
     parser.add_argument("--ragged-sweep", action="store_true",
-                        help="only tiles x split counts on ragged caches, with torch SDPA alongside")
+                        help="only tiles x programs per multiprocessor on ragged caches, with torch SDPA alongside")
     parser.add_argument("--kernel-times", action="store_true",
                         help="only per-kernel GPU times of one call (ours and torch SDPA) from torch's profiler")
     parser.add_argument("--small", action="store_true", help="only small caches: Triton kernel against kernel='xla'")
     parser.add_argument("--stream", action="store_true",
-                        help="only the split schedule against the stream schedule, full and ragged caches")
+                        help="only programs per multiprocessor x tiles, full and ragged caches")
     parser.add_argument("--ragged-draws", type=int, default=0, metavar="N",
                         help="only N seeded draws of ragged lengths per shape, each against torch SDPA")
     args = parser.parse_args()
@@ -455,9 +455,6 @@ def main():
         return
     if args.ragged_sweep:
         print(json.dumps({"copy": copy, "ragged_sweep": ragged_sweep(copy["copy_gbps"])}, indent=1))
-        return
-    if args.balance:
-        print(json.dumps({"copy": copy, "balance": balance(copy["copy_gbps"])}, indent=1))
         return
     shapes = [(32, 8192, False), (8, 32768, False), (32, 8192, True), (8, 32768, True), (1, 4096, False)]
     if args.only_sweep:

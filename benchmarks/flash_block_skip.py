@@ -1,7 +1,8 @@
 """What skipping fully masked tiles buys, and what the visibility table costs (JAX-level, GPU).
 
 For a few bool masks at (B, H, L, D) bf16 it times the flash forward and forward+backward with
-`FlashConfig.skip_masked_blocks` on and off, plus the table alone, and prints a JSON line per case.
+skipping on (the product's choice) and off (`SweptFlashConfig` of `flash_swept_config.py`), plus
+the table alone, and prints a JSON line per case.
 
     python benchmarks/flash_block_skip.py [--out FILE] [B H L D]
 
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.jax_core.kernels import flash_jax_triton as fj
+
+from flash_swept_config import SweptFlashConfig
 
 
 def _us(fn, *args, warmup=3, iters=10, repeats=5):
@@ -60,7 +63,7 @@ def run(b: int, h: int, l: int, d: int) -> list[dict]:
         visible = float(jnp.mean(m))
         row = {"mask": name, "shape": [b, h, l, d], "visible_fraction": round(visible, 4)}
         for skip in (False, True):
-            cfg = fj.FlashConfig(scale=d ** -0.5, skip_masked_blocks=skip)
+            cfg = SweptFlashConfig(scale=d ** -0.5, skip_masked_blocks=skip)
 
             def fwd(q, k, v, mask, cfg=cfg):
                 return fj.flash_attention_triton(q, k, v, None, mask, None, fj.FlashExtras(), cfg)[0]

@@ -11,7 +11,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxattn.jax_core.kernels.flash_jax_triton import FlashConfig, FlashExtras, bwd_tiles, flash_attention_triton
+from jaxattn.jax_core.kernels.flash_jax_triton import FlashExtras, bwd_tiles, flash_attention_triton
+
+from flash_swept_config import SweptFlashConfig
 
 KV_TILES = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3)]
 Q_TILES = [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]
@@ -24,7 +26,7 @@ def run(b, h, l, d):
     flops = 3.5 * 4 * b * h * l * l * d / 2
 
     def timed(tiles):
-        cfg = FlashConfig(scale=d**-0.5, causal=True, bwd_tiles=tiles)
+        cfg = SweptFlashConfig(scale=d**-0.5, causal=True, bwd_tiles=tiles)
         f = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: flash_attention_triton(q, k, v, None, None, None, FlashExtras(), cfg)[0], q, k, v)[1](dout))
         try:
             jax.block_until_ready(f(q, k, v))

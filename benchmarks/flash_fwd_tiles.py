@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.jax_core.kernels.flash_fwd_triton import fwd_block_sizes
-from jaxattn.jax_core.kernels.flash_jax_triton import FlashConfig, FlashExtras, flash_attention_triton
+from jaxattn.jax_core.kernels.flash_jax_triton import FlashExtras, flash_attention_triton
+
+from flash_swept_config import SweptFlashConfig
 
 TILES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
          (128, 32, 8, 4), (64, 128, 4, 3)]
@@ -25,7 +27,7 @@ def run(b, h, l, d, causal=1):
     flops = 4 * b * h * l * l * d / (2 if causal else 1)
 
     def timed(tiles, softcap=None):
-        cfg = FlashConfig(scale=d**-0.5, causal=bool(causal), fwd_tiles=tiles, softcap=softcap, fast_tanh=True)
+        cfg = SweptFlashConfig(scale=d**-0.5, causal=bool(causal), fwd_tile=tiles, softcap=softcap, fast_tanh=True)
         f = jax.jit(lambda q, k, v: flash_attention_triton(q, k, v, None, None, None, FlashExtras(), cfg)[0])
         try:
             jax.block_until_ready(f(q, k, v))

@@ -4,7 +4,8 @@ import time, itertools
 import torch
 import torch.nn.functional as F
 from jaxattn.torch_api.native_flash import flash_forward
-from jaxattn.jax_core.kernels.flash_plan import FlashConfig
+
+from flash_swept_config import SweptFlashConfig
 
 SHAPES = [(16, 16, 8, 512, 64), (4, 16, 8, 2048, 64), (2, 32, 8, 4096, 64), (1, 32, 8, 8192, 64)]
 TILES = [None, (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (64, 32, 4, 4)]
@@ -33,7 +34,7 @@ with torch.no_grad():
         t_torch = us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
         row = [f"{layout} B{b} H{hq}/{hk} L{l}: torch {t_torch:.0f}us"]
         for tile in TILES:
-            cfg = FlashConfig(scale=d ** -0.5, causal=True, fwd_tiles=tile, fast_tanh=True)
+            cfg = SweptFlashConfig(scale=d ** -0.5, causal=True, fwd_tile=tile, fast_tanh=True)
             try:
                 out, _ = flash_forward(q, k, v, cfg)
                 err = (out.float() - ref.float()).abs().max().item()

@@ -23,8 +23,8 @@ Semantics (`decode_attention`):
       zeros; its LSE is -inf (or the sinks' log-sum-exp).
     * GQA natively: query head h reads KV head h // (Hq // Hkv); K/V are never repeated.
 
-Kernels: GPU - Triton split-K flash-decoding through jax-triton, by default with a stream-K
-schedule (`kernels/decode_stream_triton.py`; the per-sequence split grid in `kernels/decode_triton.py`);
+Kernels: GPU - Triton split-K flash-decoding through jax-triton, with a stream-K schedule: a fixed
+number of programs share all the batch's key blocks (`kernels/decode_stream_triton.py`);
 TPU - a Pallas kernel (`kernels/decode_pallas_tpu.py`, tested in interpret mode only); CPU - XLA
 (masks the padded cache; reads all of it). Every kernel is forward-only: under differentiation the
 tangents come from the XLA formulation (a custom JVP), so gradients are correct but not fast.

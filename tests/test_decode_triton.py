@@ -1,15 +1,18 @@
-"""The decode GPU path (jax-triton launch + Triton split-K and merge kernels) on the CPU.
+"""The decode GPU path (jax-triton launch + Triton stream-K and merge kernels) on the CPU.
 
 `jax_triton.triton_call` is replaced by an interpreter stand-in (tests/jax_triton_interpret.py), so
-the kernels run exactly as launched on a GPU, on small shapes with small key blocks so that several
-blocks and splits (including empty ones) occur. Unwritten cache slots and unused pages hold NaN.
+the kernels run exactly as launched on a GPU, on small shapes with small key blocks and few programs
+(`SmallLaunch`) so that several blocks, cut segments and empty sequences occur; the tests through
+`decode_attention` run the product's own launch choices. Unwritten cache slots and unused pages hold NaN.
 The oracle is torch's SDPA math backend in float64 with an explicit mask (plain float64 torch ops
 for soft cap and sinks). On a machine with CUDA, JAX on GPU and jax-triton the same tests run the
 compiled kernels (float32 inputs, tf32x3 dots).
 """
 
+import dataclasses
 import importlib.util
 import sys
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,25 @@ GPU = AttentionMetadata(platform="gpu", backend="cuda" if ON_GPU else "rocm")
 B, HKV, S, D = 4, 2, 40, 16
 LENGTHS = torch.tensor([1, S, 23, 0], dtype=torch.int32)  # length 1, a full cache, an empty sequence
 STARTS = torch.tensor([0, 3, 9, 0], dtype=torch.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallLaunch(DecodeConfig):
+    """Key blocks of 16 positions and `programs` stream programs, each taking at least `min_share`
+    key blocks (None: the product's rule): on these tiny caches, slices of one block cut segments
+    into several partial results and span several segments."""
+
+    programs: int = 3
+    min_share: Optional[int] = None
+
+    def launch_tiles(self, d, dv, dtype_bytes):
+        return 16, 4, 2
+
+    def stream_programs(self):
+        return self.programs
+
+    def stream_min_share(self, segments, max_blocks, programs):
+        return self.min_share or super().stream_min_share(segments, max_blocks, programs)
 
 
 @pytest.fixture(autouse=True)
@@ -67,58 +89,33 @@ def _check(out, lse, q, k, v, **kw):
     assert (lse[finite] - want_lse[finite]).abs().max().item() < 2e-5
 
 
-# (layout, GQA ratio, q_len, splits, window, softcap, sinks)
+# (layout, GQA ratio, q_len, window, softcap, sinks)
 KERNEL_CASES = [
-    ("BSHD", 1, 1, 1, None, None, False),
-    ("BSHD", 4, 4, 3, 9, None, True),
-    ("BHSD", 8, 1, 3, None, 2.0, False),
-    ("BHSD", 4, 4, 1, 5, 3.0, True),
-    ("paged", 1, 4, 3, None, None, True),
-    ("paged", 8, 4, 2, 12, 3.0, False),
-    ("paged", 4, 1, 5, None, None, False),  # more splits than blocks for short sequences
+    ("BSHD", 1, 1, None, None, False),
+    ("BSHD", 4, 4, 9, None, True),
+    ("BHSD", 8, 1, None, 2.0, False),
+    ("BHSD", 4, 4, 5, 3.0, True),
+    ("paged", 1, 4, None, None, True),
+    ("paged", 8, 4, 12, 3.0, False),
+    ("paged", 4, 1, None, None, False),
 ]
 
 
-@pytest.mark.parametrize("layout,groups,t,splits,window,softcap,sinks", KERNEL_CASES, ids=lambda x: str(x))
-def test_split_and_merge_kernels(layout, groups, t, splits, window, softcap, sinks):
-    _, q, k, v, kc, vc, table, sink_logits = _case(groups * 10 + t + splits, groups, t, layout)
-    cfg = DecodeConfig(scale=D ** -0.5, window=(window if window is not None else -1, -1), softcap=softcap,
-                       cache_layout=layout, num_splits=splits, tiles=(16, 4, 2), schedule="split")
-    out, lse = decode_attention_triton(
-        _j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS), None if table is None else _j(table),
-        _j(sink_logits) if sinks else None, cfg)
-    _check(out, lse, q, k, v, window=window, softcap=softcap, sinks=sink_logits if sinks else None)
-
-
-@pytest.mark.parametrize("layout,splits,window", [("BSHD", 3, None), ("paged", 4, 12)])
-def test_per_sequence_shares(layout, splits, window):
-    """The other split rule (each sequence cut into `splits` equal shares) stays correct."""
-    _, q, k, v, kc, vc, table, _ = _case(7 + splits, 4, 2, layout)
-    cfg = DecodeConfig(scale=D ** -0.5, window=(window if window is not None else -1, -1),
-                       cache_layout=layout, num_splits=splits, tiles=(16, 4, 2), fixed_shares=False,
-                       schedule="split")
-    out, lse = decode_attention_triton(_j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS),
-                                       None if table is None else _j(table), None, cfg)
-    _check(out, lse, q, k, v, window=window)
-
-
-@pytest.mark.parametrize("layout,groups,t,splits,window,softcap,sinks", KERNEL_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("layout,groups,t,window,softcap,sinks", KERNEL_CASES, ids=lambda x: str(x))
 @pytest.mark.parametrize("programs,min_share", [(8, 1), (3, None)])
-def test_stream_schedule(layout, groups, t, splits, window, softcap, sinks, programs, min_share):
+def test_stream_schedule(layout, groups, t, window, softcap, sinks, programs, min_share):
     """The stream schedule: slices of one key block cut segments into several partial results and
-    span several segments (8 programs, 1 block at least); the default plan with 3 programs."""
-    _, q, k, v, kc, vc, table, sink_logits = _case(groups * 10 + t + splits + 50, groups, t, layout)
-    cfg = DecodeConfig(scale=D ** -0.5, window=(window if window is not None else -1, -1), softcap=softcap,
-                       cache_layout=layout, tiles=(16, 4, 2), schedule="stream", num_sms=programs,
-                       stream_programs_per_sm=1, stream_min_share=min_share)
+    span several segments (8 programs, 1 block at least); the product's slice rule with 3 programs."""
+    _, q, k, v, kc, vc, table, sink_logits = _case(groups * 10 + t + len(layout) + 50, groups, t, layout)
+    cfg = SmallLaunch(scale=D ** -0.5, window=(window if window is not None else -1, -1), softcap=softcap,
+                      cache_layout=layout, programs=programs, min_share=min_share)
     out, lse = decode_attention_triton(
         _j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS), None if table is None else _j(table),
         _j(sink_logits) if sinks else None, cfg)
     _check(out, lse, q, k, v, window=window, softcap=softcap, sinks=sink_logits if sinks else None)
 
 
-@pytest.mark.parametrize("schedule", ["stream", "split"])
-def test_one_sequence_with_two_row_blocks(schedule):
+def test_one_sequence_with_two_row_blocks():
     """B = 1, one KV head shared by 20 query heads, 4 queries: 80 query rows in two row blocks
     (two segments of the stream schedule that read the same keys), with sinks and a window."""
     gen = torch.Generator().manual_seed(11)
@@ -126,16 +123,46 @@ def test_one_sequence_with_two_row_blocks(schedule):
     q = torch.randn(1, 4, 20, D, generator=gen)
     k, v = ragged_cache(gen, 1, 70, 1, D, lengths, starts)
     sinks = torch.randn(20, generator=gen)
-    cfg = DecodeConfig(scale=D ** -0.5, window=(37, -1), tiles=(16, 4, 2), schedule=schedule, num_sms=3,
-                       stream_programs_per_sm=1, stream_min_share=1 if schedule == "stream" else None)
+    cfg = SmallLaunch(scale=D ** -0.5, window=(37, -1), programs=3, min_share=1)
     out, lse = decode_attention_triton(_j(q), _j(k), _j(v), _j(lengths), _j(starts), None, _j(sinks), cfg)
     want, want_lse = oracle(q.transpose(1, 2), k, v, lengths, starts, window=37, sinks=sinks)
     assert (_t(out).transpose(1, 2) - want).abs().max().item() < 2e-5
     assert (_t(lse) - want_lse).abs().max().item() < 2e-5
 
 
+@pytest.mark.skipif(ON_GPU, reason="records the launches of the interpreter stand-in")
+def test_launch_choices_reach_the_launch(monkeypatch):
+    """The attention kernel launches with its config's choices: the tuned ones of a DecodeConfig
+    (`decode_tiles`, `STREAM_PROGRAMS_PER_SM` per multiprocessor, `default_min_share`), a
+    subclass's own otherwise."""
+    from jaxattn.jax_core.kernels import decode_jax_triton as dj
+
+    stand_in = sys.modules["jax_triton"]
+    real, launches = stand_in.triton_call, []
+
+    def recording(*args, kernel, grid, num_warps, num_stages, **meta):
+        launches.append(dict(meta, grid=grid, num_warps=num_warps, num_stages=num_stages))
+        return real(*args, kernel=kernel, grid=grid, num_warps=num_warps, num_stages=num_stages, **meta)
+
+    monkeypatch.setattr(stand_in, "triton_call", recording)
+    _, q, k, v, kc, vc, _, _ = _case(5, 2, 1, "BSHD")
+    tuned = DecodeConfig(scale=D ** -0.5)
+    small = SmallLaunch(scale=D ** -0.5, programs=5, min_share=2)
+    for cfg in (tuned, small):
+        out, lse = decode_attention_triton(_j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS), None, None, cfg)
+        _check(out, lse, q, k, v)
+    attend_tuned, attend_small = launches[0], launches[2]  # each call: attention, then merge
+    block_n, warps, stages = dj.decode_tiles(D, D, 4)
+    segments = B * HKV  # one row block per KV head here
+    assert attend_tuned["grid"] == (dj.STREAM_PROGRAMS_PER_SM * dj._device_sms(),)
+    assert (attend_tuned["BLOCK_N"], attend_tuned["num_warps"], attend_tuned["num_stages"]) == (block_n, warps, stages)
+    max_blocks = dj.max_visible_blocks(S, 1, (-1, -1), True, block_n)
+    assert attend_tuned["MIN_SHARE"] == dj.default_min_share(segments, max_blocks, attend_tuned["grid"][0])
+    assert (attend_small["grid"], attend_small["BLOCK_N"], attend_small["MIN_SHARE"]) == ((5,), 16, 2)
+
+
 def test_stream_segments_and_plan():
-    from jaxattn.jax_core.kernels.decode_jax_triton import segment_offsets, stream_plan
+    from jaxattn.jax_core.kernels.decode_jax_triton import default_min_share, max_parts, segment_offsets
     # lengths 1, 40, 23, 0 from starts 0, 3, 9, 0 in 16-position blocks: 1, 3, 2 and 0 blocks per
     # sequence, each repeated for 2 KV heads
     cfg = DecodeConfig(scale=1.0)
@@ -145,20 +172,29 @@ def test_stream_segments_and_plan():
     cum = segment_offsets(_j(LENGTHS), _j(STARTS), 1, S, DecodeConfig(scale=1.0, window=(5, -1)), 16, 1)
     assert np.array(cum).tolist() == [0, 1, 2, 3, 3]
     # the slices of a full batch are at least a quarter of an even split; the bound on partials holds
-    min_share, max_parts = stream_plan(64, 513, 264)
-    assert min_share == -(-64 * 513 // 264) // 4 and (max_parts - 1) * min_share >= 513
+    min_share = default_min_share(64, 513, 264)
+    assert min_share == -(-64 * 513 // 264) // 4 and (max_parts(513, min_share) - 1) * min_share >= 513
+    assert default_min_share(1, 2, 264) == 4
 
 
-def test_share_blocks_cover_every_visible_block():
-    from jaxattn.jax_core.kernels.decode_jax_triton import share_blocks
-    # full caches: the capacity's blocks over the shares (plus one block of slack)
-    assert share_blocks(1024, 1, (-1, -1), True, 64, 4) == 5
+def test_max_visible_blocks_cover_every_visible_block():
+    from jaxattn.jax_core.kernels.decode_jax_triton import max_visible_blocks
+    # a full cache: the capacity's blocks plus one block of slack
+    assert max_visible_blocks(1024, 1, (-1, -1), True, 64) == 17
     # a causal window: the window's span, not the capacity
-    assert share_blocks(32768, 1, (1000, -1), True, 64, 2) <= 10
-    for cap, t, win, bn, splits in [(1000, 4, (37, -1), 16, 3), (513, 1, (-1, -1), 64, 7), (4096, 16, (100, 0), 32, 5)]:
-        shares = share_blocks(cap, t, win, True, bn, splits)
+    assert max_visible_blocks(32768, 1, (1000, -1), True, 64) <= 18
+    for cap, t, win, bn in [(1000, 4, (37, -1), 16), (513, 1, (-1, -1), 64), (4096, 16, (100, 0), 32)]:
         span = cap if win[0] < 0 else min(cap, win[0] + t)
-        assert shares * splits * bn >= span + bn  # any span, at any alignment, fits in the shares
+        assert max_visible_blocks(cap, t, win, True, bn) * bn >= span + bn  # any span, at any alignment
+
+
+@pytest.mark.parametrize("removed", ["schedule", "num_splits", "fixed_shares", "tiles", "num_sms",
+                                     "stream_programs_per_sm", "stream_min_share"])
+def test_launch_choices_are_not_settings(removed):
+    """The launch choices are DecodeConfig's methods, not fields: passing a former field is refused
+    by name."""
+    with pytest.raises(TypeError, match=removed):
+        DecodeConfig(scale=1.0, **{removed: None})
 
 
 def test_through_decode_attention_with_gradients():

@@ -7,6 +7,7 @@ keys, values or queries inside fully masked tiles are NaN, which any computed ti
 (0 * NaN = NaN in P @ V and in dS^T @ Q).
 """
 
+import dataclasses
 import importlib.util
 import sys
 
@@ -191,3 +192,43 @@ def test_minus_inf_bias_tiles_and_bias_gradient(with_mask):
     _close("lse", lse, r_lse)
     for name, g, rg in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), (r_dq, r_dk, r_dv, r_dbias)):
         _close(name, g, rg)
+
+
+def test_launch_choices_are_config_methods():
+    """A FlashConfig launches with the tuned tiles and skips masked tiles; the launch plans take
+    these choices from its methods, which a benchmark overrides in a subclass of its own. The
+    former fields of those choices are refused by name."""
+    from jaxattn.jax_core.kernels import flash_plan as plan
+
+    op = plan.Operand((1, 2, 128, 64), (0, 8192, 64, 1))
+    call = plan.FlashCall(q=op, k=op, v=op, bias=None, mask=op, dtype_bytes=2)
+    strides = op.strides
+
+    def tiles(cfg):
+        fwd = plan.forward_launch(call, cfg, strides)
+        kv = plan.dkdv_launch(call, cfg, strides, strides, strides)
+        dq = plan.dq_launch(call, cfg, strides, strides, None)
+        return [(x.args["BLOCK_M"], x.args["BLOCK_N"], x.num_warps, x.num_stages) for x in (fwd, kv, dq)]
+
+    tuned = plan.FlashConfig(scale=0.125)
+    assert tiles(tuned) == [plan.fwd_block_sizes(64, 64, 2), *plan.bwd_tiles(64, 2)]
+    assert plan.uses_skip_table(call, tuned)
+
+    @dataclasses.dataclass(frozen=True)
+    class Swept(plan.FlashConfig):
+        def forward_tile(self, call):
+            return 16, 32, 2, 1
+
+        def backward_tiles(self, call):
+            return (32, 16, 2, 1), (16, 16, 1, 1)
+
+        def skips_masked_blocks(self):
+            return False
+
+    swept = Swept(scale=0.125)
+    assert swept != tuned
+    assert tiles(swept) == [(16, 32, 2, 1), (32, 16, 2, 1), (16, 16, 1, 1)]
+    assert not plan.uses_skip_table(call, swept)
+    for removed in ("fwd_tiles", "bwd_tiles", "skip_masked_blocks"):
+        with pytest.raises(TypeError, match=removed):
+            plan.FlashConfig(scale=0.125, **{removed: None})

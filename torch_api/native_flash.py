@@ -92,13 +92,10 @@ _FOLLOWS_KEYS: dict = {}
 #: then reuses one compilation. Longer calls use the static entries, whose constant sizes and strides
 #: compile to faster code (one compilation per shape, as the JAX launcher does).
 DYNAMIC_MAX_QUERIES = 16
-#: "static" or "dynamic" forces one flavour of entry kernels (benchmarks); None: by `DYNAMIC_MAX_QUERIES`.
-FORCE_ENTRIES: Optional[str] = None
 
 
 def _entries(q_len: int) -> dict:
-    flavour = FORCE_ENTRIES or ("dynamic" if q_len <= DYNAMIC_MAX_QUERIES else "static")
-    return _ENTRIES[flavour]
+    return _ENTRIES["dynamic" if q_len <= DYNAMIC_MAX_QUERIES else "static"]
 
 
 def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:

@@ -1,6 +1,7 @@
 """The Triton decode kernels as a JAX function, launched with jax-triton.
 
-`decode_attention_triton(q, k, v, lengths, starts, block_table, sinks, cfg)` returns (out, lse).
+`decode_attention_triton(q, k, v, lengths, starts, block_table, sinks, cfg)` returns (out, lse): the
+stream-K schedule (`decode_stream_triton`), then the merge of each row's partial results.
 jax-triton is imported when a kernel is launched (it needs a GPU build of jaxlib), so this module
 imports on any machine. Entry kernels take every scalar as a constexpr (jax-triton's convention:
 inputs, then outputs, then constexprs); the cache lengths, starts and block table are device arrays,
@@ -22,12 +23,13 @@ import triton.language as tl
 
 from .jax_triton_module import jax_triton
 from .decode_stream_triton import decode_stream_kernel, decode_stream_merge_kernel
-from .decode_triton import decode_merge_kernel, decode_split_kernel
 
 #: Cache layouts: contiguous (B, S, Hkv, D) or (B, Hkv, S, D), or pages (P, PS, Hkv, D).
 CACHE_LAYOUTS = ("BSHD", "BHSD", "paged")
-#: How key blocks are given to programs (`DecodeConfig.schedule`).
-SCHEDULES = ("split", "stream")
+#: Programs per multiprocessor of the stream schedule. On an H100 (`benchmarks/decode_gpu.py --stream`,
+#: BENCHMARKS.md "Decode: the stream-K schedule") one to four programs with three tiles stayed within
+#: 3% of two with the default tile, except two combinations that were 4-8% slower.
+STREAM_PROGRAMS_PER_SM = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,20 +45,11 @@ class DecodeConfig:
         q_layout: "BTHD" (B, T, Hq, D) or "BHTD" (B, Hq, T, D); the output has the same layout.
         cache_layout: one of `CACHE_LAYOUTS`.
         fast_tanh: hardware tanh for the soft cap (NVIDIA only; 16-bit inputs).
-        num_splits: key-range shares per sequence (split-K); None: `num_splits_for`.
-        tiles: (BLOCK_N, num_warps, num_stages) override; None: `decode_tiles`.
-        num_sms: multiprocessors the split heuristic fills; None: asks the device (132 if unknown).
-        fixed_shares: every sequence's keys are cut into shares of the size a full-length sequence
-            gets (`share_blocks`), so a short sequence keeps fewer programs busy instead of giving
-            each less work; False: each sequence splits its own keys into NUM_SPLITS equal shares.
-        schedule: "stream" (default): a fixed number of programs, each taking an equal slice of all
-            the batch's key blocks (`decode_stream_triton`; num_splits and fixed_shares do not
-            apply); "split": a grid of (shares, row blocks, B * Hkv) programs (`decode_triton`).
-            On an H100 (`benchmarks/decode_gpu.py --stream`) "stream" was 0-7% faster on ragged
-            caches and within 1% on full ones.
-        stream_programs_per_sm: programs per multiprocessor of the "stream" schedule.
-        stream_min_share: the fewest key blocks one program of the "stream" schedule takes; None:
-            `stream_plan`'s choice.
+
+    The launch choices are not settings: the methods below return the tuned ones. A benchmark
+    sweeping them, or a test that needs small tiles and few programs on a tiny cache, overrides
+    them in a subclass of its own; a subclass never equals a DecodeConfig, so its compilations stay
+    apart.
     """
 
     scale: float
@@ -67,13 +60,18 @@ class DecodeConfig:
     q_layout: str = "BTHD"
     cache_layout: str = "BSHD"
     fast_tanh: bool = False
-    num_splits: Optional[int] = None
-    tiles: Optional[tuple[int, int, int]] = None
-    num_sms: Optional[int] = None
-    fixed_shares: bool = True
-    schedule: str = "stream"
-    stream_programs_per_sm: int = 2
-    stream_min_share: Optional[int] = None
+
+    def launch_tiles(self, d: int, dv: int, dtype_bytes: int) -> tuple[int, int, int]:
+        """(BLOCK_N, num_warps, num_stages) of the attention kernel: `decode_tiles`."""
+        return decode_tiles(d, dv, dtype_bytes)
+
+    def stream_programs(self) -> int:
+        """Programs of the stream schedule: `STREAM_PROGRAMS_PER_SM` per multiprocessor."""
+        return STREAM_PROGRAMS_PER_SM * _device_sms()
+
+    def stream_min_share(self, segments: int, max_blocks: int, programs: int) -> int:
+        """The fewest key blocks one program takes: `default_min_share`."""
+        return default_min_share(segments, max_blocks, programs)
 
 
 def _next_pow2(n: int) -> int:
@@ -86,7 +84,9 @@ def decode_tiles(d: int, dv: int, dtype_bytes: int) -> tuple[int, int, int]:
     From `benchmarks/decode_gpu.py --only-sweep` on an H100 (bf16, Hq=32, Hkv=8, D=128, jax 0.11.2,
     triton 3.6, 2026-11-22): (64, 4, 3) reads full caches at 94-95% of the copy bandwidth for
     (B=32, S=8192) and (B=8, S=32768); (128, 4, 3), (64, 8, 4) and (128, 8, 3) were within 2%,
-    (64, 4, 2) up to 13% slower.
+    (64, 4, 2) up to 13% slower. That sweep ran the split schedule the stream one replaced; with
+    the stream schedule (`--stream`, 2026-11-23) (64, 4, 4) and (128, 4, 3) stayed within 3% of
+    (64, 4, 3).
     """
     width = max(_next_pow2(d), _next_pow2(dv))
     if dtype_bytes >= 4:
@@ -101,25 +101,14 @@ def row_block(rows: int, d: int) -> int:
     return min(max(16, _next_pow2(rows)), 32 if d > 128 else 64)
 
 
-def num_splits_for(programs: int, key_blocks: int, num_sms: int) -> int:
-    """Key-range shares per sequence: enough programs for about four per multiprocessor, each
-    share at least four key blocks, at most 64 shares. (The same sweep found 2 to 32 shares within
-    4% of each other on full and ragged caches; this choice was best or within 2%, except
-    (B=8, S=32768) full, where 2 shares were 5% faster than the 9 chosen here.)"""
-    want = -(-4 * num_sms // max(programs, 1))
-    return int(max(1, min(want, -(-key_blocks // 4), 64)))
-
-
-def share_blocks(capacity: int, t: int, window: tuple[int, int], causal: bool, block_n: int,
-                 num_splits: int) -> int:
-    """Key blocks per share when shares have a fixed size: the most blocks any sequence can see
-    (the capacity, or the window's span), divided among `num_splits` programs."""
+def max_visible_blocks(capacity: int, t: int, window: tuple[int, int], causal: bool, block_n: int) -> int:
+    """The most key blocks any sequence's queries can see: the capacity's, or the window's span's,
+    plus one for a span that straddles a block boundary."""
     left, right = window
     span = capacity
     if left >= 0 and (causal or right >= 0):
         span = min(capacity, left + t + (0 if causal else right) + block_n)
-    max_blocks = -(-span // block_n) + 1
-    return -(-max_blocks // num_splits)
+    return -(-span // block_n) + 1
 
 
 def segment_offsets(lengths: jax.Array, starts: Optional[jax.Array], t: int, capacity: int, cfg: DecodeConfig,
@@ -141,14 +130,16 @@ def segment_offsets(lengths: jax.Array, starts: Optional[jax.Array], t: int, cap
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
 
 
-def stream_plan(segments: int, max_blocks: int, num_programs: int, min_share: Optional[int] = None
-                ) -> tuple[int, int]:
-    """(MIN_SHARE, MAX_PARTS) of the stream schedule: by default a program's slice has at least a
-    quarter of what it gets when every sequence is full (and at least 4 blocks); that bounds the
-    partial results one segment can have (MAX_PARTS)."""
-    if min_share is None:
-        min_share = max(4, -(-segments * max_blocks // num_programs) // 4)
-    return min_share, -(-max_blocks // min_share) + 1
+def default_min_share(segments: int, max_blocks: int, programs: int) -> int:
+    """The fewest key blocks one program of the stream schedule takes: a quarter of what it gets
+    when every sequence is full, and at least 4."""
+    return max(4, -(-segments * max_blocks // programs) // 4)
+
+
+def max_parts(max_blocks: int, min_share: int) -> int:
+    """The most partial results one segment of at most `max_blocks` key blocks can have when every
+    program takes at least `min_share` blocks (the slots of the partial-result buffers)."""
+    return -(-max_blocks // min_share) + 1
 
 
 def _device_sms() -> int:
@@ -188,50 +179,6 @@ def cache_dims(k_shape, layout: str, block_table_shape=None) -> tuple[int, int, 
 
 
 # --- entry kernels: every scalar is a constexpr, outputs follow inputs (jax-triton's convention) ---
-
-
-@triton.jit
-def _split_entry(
-    Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
-    sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqd: tl.constexpr,
-    skb: tl.constexpr, sks: tl.constexpr, skh: tl.constexpr, skd: tl.constexpr,
-    svb: tl.constexpr, svs: tl.constexpr, svh: tl.constexpr, svd: tl.constexpr,
-    stb: tl.constexpr,
-    sob: tl.constexpr, sot: tl.constexpr, soh: tl.constexpr, sosplit: tl.constexpr, sod: tl.constexpr,
-    slb: tl.constexpr, slt: tl.constexpr, slh: tl.constexpr, slsplit: tl.constexpr,
-    scale: tl.constexpr, softcap: tl.constexpr, window_left: tl.constexpr, window_right: tl.constexpr,
-    pos_shift: tl.constexpr,
-    T: tl.constexpr, G: tl.constexpr, Hkv: tl.constexpr, D: tl.constexpr, Dv: tl.constexpr,
-    capacity: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SHARE_BLOCKS: tl.constexpr,
-):
-    decode_split_kernel(
-        Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
-        sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, stb,
-        sob, sot, soh, sosplit, sod, slb, slt, slh, slsplit,
-        scale, softcap, window_left, window_right, pos_shift, T, G, Hkv, D, Dv, capacity,
-        CAUSAL, HAS_STARTS, PAGED, PAGE_SIZE, HAS_SINKS, SOFTCAP, FAST_TANH, NUM_SPLITS,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SHARE_BLOCKS,
-    )
-
-
-@triton.jit
-def _merge_entry(
-    OutPart, LsePart, Sinks, Out, Lse,
-    spb: tl.constexpr, spt: tl.constexpr, sph: tl.constexpr, spsplit: tl.constexpr, spd: tl.constexpr,
-    sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqsplit: tl.constexpr,
-    sob: tl.constexpr, sot: tl.constexpr, soh: tl.constexpr, sod: tl.constexpr,
-    slb: tl.constexpr, slt: tl.constexpr, slh: tl.constexpr,
-    T: tl.constexpr, Hq: tl.constexpr, Dv: tl.constexpr,
-    HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    decode_merge_kernel(
-        OutPart, LsePart, Sinks, Out, Lse, spb, spt, sph, spsplit, spd, sqb, sqt, sqh, sqsplit,
-        sob, sot, soh, sod, slb, slt, slh, T, Hq, Dv, HAS_SINKS, NUM_SPLITS, BLOCK_SPLITS, BLOCK_DV,
-    )
 
 
 @triton.jit
@@ -312,55 +259,10 @@ def decode_attention_triton(
         out in q's layout and dtype; lse (B, Hq, T) float32 (-inf for queries that see nothing,
         unless a sink is given).
     """
-    jt = jax_triton()
-
     if cfg.cache_layout not in CACHE_LAYOUTS:
         raise ValueError(f"cache_layout={cfg.cache_layout!r}: expected one of {CACHE_LAYOUTS}.")
-    if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}.")
     plan = _plan(q, k, v, block_table, cfg)
-    if cfg.schedule == "stream":
-        return _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg, plan)
-    b, t, hq, dv = plan.b, plan.t, plan.hq, plan.dv
-    num_splits = cfg.num_splits or num_splits_for(
-        b * plan.hkv * plan.row_blocks, triton.cdiv(plan.capacity, plan.block_n), cfg.num_sms or _device_sms())
-    final = num_splits == 1
-    out_shape = (b, t, hq, dv) if cfg.q_layout == "BTHD" else (b, hq, t, dv)
-    if final:
-        sb, st, sh, sd = _q_strides(out_shape, cfg.q_layout)
-        o_strides = (sb, st, sh, 0, sd)
-        l_strides = (hq * t, 1, t, 0)  # lse (B, Hq, T)
-        outs = (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
-    else:
-        o_strides = tuple(_strides((b, t, hq, num_splits, dv)))
-        l_strides = tuple(_strides((b, t, hq, num_splits)))
-        outs = (jax.ShapeDtypeStruct((b, t, hq, num_splits, dv), jnp.float32),
-                jax.ShapeDtypeStruct((b, t, hq, num_splits), jnp.float32))
-    out, lse = jt.triton_call(
-        *_cache_inputs(q, k, v, lengths, starts, block_table, cfg), _float_or_placeholder(sinks),
-        kernel=_split_entry, out_shape=outs, grid=(num_splits, plan.row_blocks, b * plan.hkv),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **_common_meta(q, k, v, starts, block_table, cfg, plan),
-        **dict(zip(("sob", "sot", "soh", "sosplit", "sod"), o_strides)),
-        **dict(zip(("slb", "slt", "slh", "slsplit"), l_strides)),
-        HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
-        SHARE_BLOCKS=share_blocks(plan.capacity, t, tuple(cfg.window), bool(cfg.causal), plan.block_n, num_splits)
-        if cfg.fixed_shares and not final else 0,
-    )
-    if final:
-        return out, lse
-    return jt.triton_call(
-        out, lse, _float_or_placeholder(sinks),
-        kernel=_merge_entry,
-        out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
-        grid=(b * t * hq,), num_warps=1, num_stages=1,
-        **dict(zip(("spb", "spt", "sph", "spsplit", "spd"), _strides((b, t, hq, num_splits, dv)))),
-        **dict(zip(("sqb", "sqt", "sqh", "sqsplit"), _strides((b, t, hq, num_splits)))),
-        **dict(zip(("sob", "sot", "soh", "sod"), _q_strides(out_shape, cfg.q_layout))),
-        slb=hq * t, slt=1, slh=t,
-        T=t, Hq=hq, Dv=dv, HAS_SINKS=sinks is not None, NUM_SPLITS=num_splits,
-        BLOCK_SPLITS=max(2, _next_pow2(num_splits)), BLOCK_DV=plan.block_dv,
-    )
+    return _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg, plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +290,7 @@ def _plan(q, k, v, block_table, cfg: DecodeConfig) -> _Plan:
     b, t, hq, d = q.shape if cfg.q_layout == "BTHD" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     dv = v.shape[-1]
     hkv, capacity, page_size = cache_dims(k.shape, cfg.cache_layout, None if block_table is None else block_table.shape)
-    block_n, num_warps, num_stages = cfg.tiles or decode_tiles(d, dv, jnp.dtype(q.dtype).itemsize)
+    block_n, num_warps, num_stages = cfg.launch_tiles(d, dv, jnp.dtype(q.dtype).itemsize)
     block_m = row_block((hq // hkv) * t, d)
     return _Plan(b=b, t=t, hq=hq, d=d, dv=dv, hkv=hkv, capacity=capacity, page_size=page_size, block_m=block_m,
                  block_n=block_n, block_d=max(16, _next_pow2(d)), block_dv=max(16, _next_pow2(dv)),
@@ -400,14 +302,15 @@ def _float_or_placeholder(x: Optional[jax.Array]) -> jax.Array:
 
 
 def _cache_inputs(q, k, v, lengths, starts, block_table, cfg: DecodeConfig) -> tuple[jax.Array, ...]:
-    """Q, K, V, Lengths, Starts, BlockTable as both schedules' kernels take them."""
+    """Q, K, V, Lengths, Starts, BlockTable as the attention kernel takes them."""
     return (q, k, v, lengths.astype(jnp.int32),
             starts.astype(jnp.int32) if starts is not None else _placeholder(jnp.int32),
             block_table.astype(jnp.int32) if cfg.cache_layout == "paged" else _placeholder(jnp.int32))
 
 
 def _common_meta(q, k, v, starts, block_table, cfg: DecodeConfig, plan: _Plan) -> dict:
-    """The constexprs both schedules' attention kernels share: input strides, scalars, flags, tiles."""
+    """The attention kernel's constexprs besides the partial results' strides and the stream's
+    sizes: input strides, scalars, flags, tiles."""
     paged = cfg.cache_layout == "paged"
     window = tuple(cfg.window)
     return dict(
@@ -423,17 +326,19 @@ def _common_meta(q, k, v, starts, block_table, cfg: DecodeConfig, plan: _Plan) -
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
     )
 
+
 def _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg: DecodeConfig, plan: _Plan):
     """The stream schedule: `decode_stream_kernel` then `decode_stream_merge_kernel`."""
     jt = jax_triton()
 
     b, t, hq, dv = plan.b, plan.t, plan.hq, plan.dv
     segments = b * plan.hkv * plan.row_blocks
-    programs = max(1, cfg.stream_programs_per_sm * (cfg.num_sms or _device_sms()))
-    max_blocks = share_blocks(plan.capacity, t, tuple(cfg.window), bool(cfg.causal), plan.block_n, 1)
-    min_share, max_parts = stream_plan(segments, max_blocks, programs, cfg.stream_min_share)
+    programs = max(1, int(cfg.stream_programs()))
+    max_blocks = max_visible_blocks(plan.capacity, t, tuple(cfg.window), bool(cfg.causal), plan.block_n)
+    min_share = cfg.stream_min_share(segments, max_blocks, programs)
+    parts = max_parts(max_blocks, min_share)
     seg_cum = segment_offsets(lengths, starts, t, plan.capacity, cfg, plan.block_n, plan.hkv * plan.row_blocks)
-    part_shape = (b, t, hq, max_parts, dv)
+    part_shape = (b, t, hq, parts, dv)
     out_part, lse_part = jt.triton_call(
         *_cache_inputs(q, k, v, lengths, starts, block_table, cfg), seg_cum,
         kernel=_stream_entry,
@@ -455,5 +360,5 @@ def _stream_call(q, k, v, lengths, starts, block_table, sinks, cfg: DecodeConfig
         **dict(zip(("sob", "sot", "soh", "sod"), _q_strides(out_shape, cfg.q_layout))),
         slb=hq * t, slt=1, slh=t, T=t, G=hq // plan.hkv, Hq=hq, Dv=dv, num_segments=segments,
         num_programs=programs, HAS_SINKS=sinks is not None, MIN_SHARE=min_share, ROW_BLOCKS=plan.row_blocks,
-        BLOCK_M=plan.block_m, BLOCK_PARTS=min(16, max(2, _next_pow2(max_parts))), BLOCK_DV=plan.block_dv,
+        BLOCK_M=plan.block_m, BLOCK_PARTS=min(16, max(2, _next_pow2(parts))), BLOCK_DV=plan.block_dv,
     )

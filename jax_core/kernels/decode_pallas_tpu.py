@@ -7,7 +7,7 @@ Lengths, starts and the block table are scalar-prefetched: the K/V index maps cl
 to the blocks the sequence can see, so steps outside that range repeat the previous block index and
 Pallas issues no copy for them (only visible blocks are read), and their compute is skipped.
 
-Visibility and semantics are those of `decode_triton.py` (queries at positions
+Visibility and semantics are those of `decode_common_triton.py` (queries at positions
 length - T + t + pos_shift, [start, length) valid, causal / window rule, sinks in the denominator,
 out = 0 and lse = -inf for queries that see nothing). Tested in Pallas TPU interpret mode on the CPU
 only.

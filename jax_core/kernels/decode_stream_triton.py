@@ -1,9 +1,9 @@
 """Stream-K decode kernels in Triton: every program gets an equal slice of all the key blocks of
 the batch, whatever the sequences' lengths.
 
-The split kernel of `decode_triton` gives each (sequence, KV head) a fixed number of programs, so
-a ragged batch ends with a last wave of programs that does not cover every multiprocessor. Here a
-fixed number of programs P (a few per multiprocessor) walk one flattened list of key blocks:
+A grid with a fixed number of programs per (sequence, KV head) (split-K flash-decoding) ends a
+ragged batch with a last wave of programs that does not cover every multiprocessor. Here a fixed
+number of programs P (a few per multiprocessor) walk one flattened list of key blocks:
 
     segments s = (b * Hkv + kvh) * ROW_BLOCKS + pid_m, in order; SegCum (num_segments + 1,) int32
     holds the cumulative count of the key blocks each segment must read (its visible range).
@@ -18,14 +18,14 @@ p - SegCum[s] // W of that segment; `decode_stream_merge_kernel` combines a segm
 (their number follows from SegCum and W) by log-sum-exp weights, adding the sink. A segment that
 sees nothing has no slot: out = 0, lse = -inf (or the sink).
 
-Shape legend and visibility rules as in `decode_triton`. Imports only triton, so it runs under
-Triton's interpreter.
+Shape legend, tensors and visibility rules as in `decode_common_triton`. Imports only triton, so
+it runs under Triton's interpreter.
 """
 
 import triton
 import triton.language as tl
 
-from .decode_triton import attend_blocks, query_rows, sequence_range, store_rows
+from .decode_common_triton import attend_blocks, query_rows, sequence_range, store_rows
 
 
 @triton.jit

@@ -1,4 +1,6 @@
-"""Decode attention (flash-decoding) kernels in Triton: a few queries per sequence against a KV cache.
+"""Building blocks of the decode (flash-decoding) kernels in Triton: a few queries per sequence
+against a KV cache. The kernels themselves, and how key blocks are shared among programs, are in
+`decode_stream_triton`.
 
 The kernels import only `triton` / `triton.language` (and the soft-cap tanh of
 `flash_common_triton`, which does the same), so jax-triton can launch them on a GPU and tests can
@@ -26,15 +28,9 @@ position; pos_shift = 0 puts the T queries at the end of the sequence):
 Only the positions that some query of the sequence can see are loaded: the rest of the cache is
 never read. A query that sees nothing yields out = 0, lse = -inf (or the sink when HAS_SINKS).
 
-Split-K (flash-decoding): `decode_split_kernel` runs grid (NUM_SPLITS, row blocks, B * Hkv). Each
-program takes all the G * T query rows of one KV head (rows r = g * T + t, query head
-kvh * G + g) in BLOCK_M tiles, so every K/V tile is loaded once for the whole group (GQA without
-repeating K/V), and one of NUM_SPLITS equal shares of the key blocks the sequence can see (or,
-with SHARE_BLOCKS > 0, consecutive shares of at least SHARE_BLOCKS blocks, so that short sequences
-leave their last programs idle rather than shrinking every share). With
-NUM_SPLITS == 1 it writes the final output (in Out's dtype) and LSE; otherwise an fp32 partial
-output, normalised by its own softmax denominator, and its LSE, which `decode_merge_kernel`
-(grid (B * T * Hq,)) combines by log-sum-exp weights, adding the sink.
+A program takes the G * T query rows of one KV head (rows r = g * T + t, query head kvh * G + g)
+in BLOCK_M tiles (`query_rows`), so every K/V tile is loaded once for the whole group (GQA without
+repeating K/V), and attends them to a range of key blocks (`attend_blocks`).
 """
 
 import triton
@@ -168,111 +164,3 @@ def store_rows(acc, m_i, l_i, o_ptrs, lse_ptrs, row_valid, stride_od, Dv, BLOCK_
     tl.store(o_ptrs + offs_dv[None, :] * stride_od, out.to(o_ptrs.dtype.element_ty),
              mask=row_valid[:, None] & (offs_dv[None, :] < Dv))
     tl.store(lse_ptrs, lse, mask=row_valid)
-
-
-@triton.jit
-def decode_split_kernel(
-    Q, K, V, Lengths, Starts, BlockTable, Sinks, Out, Lse,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_tb,
-    stride_ob, stride_ot, stride_oh, stride_osplit, stride_od,
-    stride_lb, stride_lt, stride_lh, stride_lsplit,
-    scale, softcap, window_left, window_right, pos_shift,
-    T, G, Hkv, D, Dv, capacity,
-    CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SHARE_BLOCKS: tl.constexpr = 0,
-):
-    """One share of one sequence's keys for BLOCK_M query rows of one KV head (module docstring).
-
-    Out/Lse: with NUM_SPLITS == 1 the final (B, T, Hq, Dv) output and (B, T, Hq) LSE (any strides;
-    stride_osplit / stride_lsplit unused); otherwise fp32 partials (B, T, Hq, NUM_SPLITS, Dv) and
-    (B, T, Hq, NUM_SPLITS).
-    """
-    pid_split = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_bk = tl.program_id(2)
-    b = pid_bk // Hkv
-    kvh = pid_bk % Hkv
-    b64 = b.to(tl.int64)
-    length, start, seq_lo, seq_hi = sequence_range(
-        Lengths, Starts, b, T, capacity, window_left, window_right, pos_shift, CAUSAL, HAS_STARTS)
-
-    # This program's share of the key blocks that intersect [seq_lo, seq_hi).
-    blk0 = seq_lo // BLOCK_N
-    n_blk = tl.where(seq_hi > seq_lo, (seq_hi + BLOCK_N - 1) // BLOCK_N - blk0, 0)
-    per_split = (n_blk + NUM_SPLITS - 1) // NUM_SPLITS
-    if SHARE_BLOCKS > 0:
-        # Shares of a fixed size, the same for every sequence: a short sequence uses fewer
-        # programs (the rest exit at once) instead of giving each of its programs less work, so
-        # the programs still running at the end are as many as possible (ragged batches).
-        per_split = tl.maximum(per_split, SHARE_BLOCKS)
-    blk_lo = blk0 + pid_split * per_split
-    blk_hi = tl.minimum(blk_lo + per_split, blk0 + n_blk)
-
-    q, t, head, row_valid, row_lo, row_hi = query_rows(
-        Q + b64 * stride_qb, kvh, pid_m, length, start, stride_qt, stride_qh, stride_qd,
-        window_left, window_right, pos_shift, capacity, T, G, D, CAUSAL, BLOCK_M, BLOCK_D)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if HAS_SINKS and NUM_SPLITS == 1:  # the sink starts the recurrence (merged later when split)
-        m_i = tl.load(Sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
-    else:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = attend_blocks(
-        q, acc, m_i, l_i, blk_lo, blk_hi, seq_lo, seq_hi, row_valid, row_lo, row_hi,
-        K + kvh.to(tl.int64) * stride_kh, V + kvh.to(tl.int64) * stride_vh, BlockTable + b64 * stride_tb, b64,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale, softcap, D, Dv,
-        PAGED, PAGE_SIZE, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_D, BLOCK_DV)
-
-    split = pid_split.to(tl.int64)
-    rows = b64 * stride_ob + t * stride_ot + head * stride_oh + split * stride_osplit
-    store_rows(acc, m_i, l_i, Out + rows[:, None], Lse + b64 * stride_lb + t * stride_lt + head * stride_lh
-               + split * stride_lsplit, row_valid, stride_od, Dv, BLOCK_DV)
-
-
-@triton.jit
-def decode_merge_kernel(
-    OutPart, LsePart, Sinks, Out, Lse,
-    stride_pb, stride_pt, stride_ph, stride_psplit, stride_pd,
-    stride_qb, stride_qt, stride_qh, stride_qsplit,
-    stride_ob, stride_ot, stride_oh, stride_od,
-    stride_lb, stride_lt, stride_lh,
-    T, Hq, Dv,
-    HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """Combines NUM_SPLITS partial results of one (b, t, head) row; grid (B * T * Hq,).
-
-    OutPart (B, T, Hq, NUM_SPLITS, Dv) and LsePart (B, T, Hq, NUM_SPLITS) float32 from
-    `decode_split_kernel`; writes Out (B, T, Hq, Dv) in its dtype and Lse (B, T, Hq) float32.
-    out = sum_s exp(lse_s - lse) * out_s with lse = log(sum_s exp(lse_s) [+ exp(sink)]).
-    """
-    pid = tl.program_id(0)
-    b = (pid // (T * Hq)).to(tl.int64)
-    t = (pid // Hq) % T
-    h = pid % Hq
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    s_mask = offs_s < NUM_SPLITS
-    lse_s = tl.load(LsePart + b * stride_qb + t * stride_qt + h * stride_qh + offs_s * stride_qsplit,
-                    mask=s_mask, other=float("-inf"))
-    sink = float("-inf")
-    if HAS_SINKS:
-        sink = tl.load(Sinks + h).to(tl.float32)
-    m = tl.maximum(tl.max(lse_s, 0), sink)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_ref)
-    denom = tl.sum(w, 0) + tl.exp(sink - m_ref)
-    parts = tl.load(OutPart + b * stride_pb + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_psplit
-                    + offs_dv[None, :] * stride_pd, mask=s_mask[:, None] & (offs_dv[None, :] < Dv), other=0.0)
-    empty = denom == 0.0
-    d_safe = tl.where(empty, 1.0, denom)
-    out = tl.sum(parts * w[:, None], 0) / d_safe
-    lse = tl.where(empty, float("-inf"), m_ref + tl.log(d_safe))
-    tl.store(Out + b * stride_ob + t * stride_ot + h * stride_oh + offs_dv * stride_od,
-             out.to(Out.dtype.element_ty), mask=offs_dv < Dv)
-    tl.store(Lse + b * stride_lb + t * stride_lt + h * stride_lh, lse)
