@@ -32,6 +32,7 @@ from .dlpack import cuda_handshake, export_arrays, import_tensors, narrow_broadc
 from . import fork_guard as _fork_guard
 from .fork_guard import check_not_forked
 from .forward_ad import refuse_forward_ad
+from .functorch import functorch_call
 from .higher_order import differentiable_grads
 from .registry import Op
 from .traces import backward_call, forward_trace, signature
@@ -158,6 +159,8 @@ class CallPlan:
             check_not_forked(self.op_name)
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             refuse_forward_ad(self.op_name, [a for a in args if a is not None])
+            if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
+                return functorch_call(self._op, args, self.spec.kwargs)
         tensors = [args[i] for i in self.present] if self.gather else list(args)
         if self.narrow is not None:
             tensors = [t if d is None else _narrow(t, d) for t, d in zip(tensors, self.narrow)]

@@ -43,6 +43,7 @@ from .call_plan import CallPlan, NotPlain, arg_key, prepare_arguments, spec_key,
 from .call_spec import check_static
 from .fork_guard import check_not_forked
 from .forward_ad import refuse_forward_ad
+from .functorch import functorch_call
 from .registry import OPS as _OPS
 from .traces import CACHE
 
@@ -121,6 +122,9 @@ class JaxOp:
         check_not_forked(self.name)
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             refuse_forward_ad(self.name, [a for a in args if isinstance(a, torch.Tensor)])
+            if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
+                check_static(self.name, static)
+                return functorch_call(self, args, static)
         if not torch.compiler.is_compiling():
             try:
                 key = (tuple([arg_key(a) for a in args]), tuple([(k, static_key(v)) for k, v in static.items()]),
