@@ -152,3 +152,24 @@ def test_exported_program_runs_in_a_fresh_process(tmp_path):
         run = subprocess.run([sys.executable, str(script), step, path], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")
+
+
+def test_compiled_graph_runs_after_the_table_is_emptied():
+    """A compiled graph holds keys only: forward and backward still find their specs."""
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda a: affine(a, scale=-0.5, shift=1, dims=(1,)), backend="aot_eager", fullgraph=True)
+        x = torch.randn(3, 4, requires_grad=True)
+        fn(x).sum().backward()  # compiles, interning the spec while tracing
+        x.grad = None
+        call_spec.forget_all()
+        out = fn(x)
+        out.backward(torch.tensor([1.0, -2.0, 3.0]))
+    finally:
+        torch._dynamo.reset()
+    x_ref = x.detach().clone().requires_grad_()
+    ref = (x_ref * -0.5 + 1).sum(1)
+    ref.backward(torch.tensor([1.0, -2.0, 3.0]))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert call_spec._TABLE  # decoded from the graph's keys
