@@ -2,7 +2,8 @@
 
 A `CallPlan` belongs to one signature: per tensor argument its type, shape, strides, dtype, device,
 requires_grad and leafness, the static keyword arguments, and torch's grad mode. It holds the
-narrowing of broadcast dims, the argument spec, the executable's cache key and the JAX device,
+narrowing of broadcast dims, the call's `CallSpec` (a value: no string is built or read per call),
+the executable's cache key and the JAX device,
 so a call with that signature costs a dict lookup and then:
 
   * eager, on CPU or CUDA, with no torch.compile tracing, dispatch or function mode, or functorch
@@ -10,6 +11,7 @@ so a call with that signature costs a dict lookup and then:
     executable runs and its outputs are exported, with no torch custom-op dispatch; when inputs
     require grad this runs inside a `torch.autograd.Function` whose backward runs the cached
     backward executable on the forward's own JAX arrays (no re-import);
+  * under a functorch transform (torch.func.grad, vjp, vmap): `functorch.FunctorchCall`;
   * otherwise: the `jaxattn::jax_call` custom op, as torch.compile and opcheck see it.
 
 Both ways share the executables (same cache keys) and count hits and misses the same way.

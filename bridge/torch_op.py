@@ -17,8 +17,9 @@ How it works:
     change of an input after the forward is caught by torch's version counter). Residuals that are
     just inputs or outputs are not returned twice.
   * Executables are cached by signature (the function, its `CallSpec`: static arguments and
-    broadcasts, input shapes, dtypes, devices) in a bounded LRU cache; `cache_info()` reports hits, misses, size and
-    compile time.
+    broadcasts, input shapes, dtypes, devices) in a bounded LRU cache; `cache_info()` reports
+    hits, misses, size and compile time.
+  * Under `torch.func` transforms (grad, vjp, jacrev, vmap) a call goes through `functorch`.
   * Eager calls take a fast path (`call_plan`): per signature everything is resolved once, and the
     call runs the executable directly, without the custom op's dispatch (the custom op stays for
     torch.compile, dispatch modes and functorch transforms).
