@@ -49,8 +49,9 @@ def vjp_op(op: Op, num_grads: int) -> Op:
     return found if found is not None else type(op)(_vjp_function(op), name=name, num_outputs=num_grads)
 
 
-def differentiable_grads(op: Op, spec: CallSpec, inputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
-                         needed: tuple, out_sig: Sequence[tuple]) -> list[torch.Tensor]:
+def differentiable_grads(op: Op, spec: CallSpec, inputs: Sequence[torch.Tensor],
+                         grads: Sequence[Optional[torch.Tensor]], needed: tuple,
+                         out_sig: Sequence[tuple]) -> list[torch.Tensor]:
     """The gradients of `op`'s inputs at positions `needed` (of its tensor inputs, as the call's
     `spec` lists them) for output gradients `grads` (None: zero), as a differentiable torch call.
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax.numpy as jnp
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
