@@ -147,7 +147,7 @@ def main() -> None:
     n_in = len(plan.floating)
     jdev = plan.jax_device
     needed = tuple(range(n_in))
-    grad_spec = repr(((0,), needed))
+    grad_spec = ((0,), needed)
     sig = plan.shapes_dtypes + trace.out_sig + (trace.out_sig[0],)
     bwd = backward_call(plan.op_name, plan.spec, grad_spec, trace, n_in, sig, jdev)
     tensors = [dlpack.importable(t) for t in (q, k, v)]

@@ -2,7 +2,8 @@
 
 A `CallPlan` belongs to one signature: per tensor argument its type, shape, strides, dtype, device,
 requires_grad and leafness, the static keyword arguments, and torch's grad mode. It holds the
-narrowing of broadcast dims, the argument spec, the executable's cache key and the JAX device,
+narrowing of broadcast dims, the call's `CallSpec` (a value: no string is built or read per call),
+the executable's cache key and the JAX device,
 so a call with that signature costs a dict lookup and then:
 
   * eager, on CPU or CUDA, with no torch.compile tracing, dispatch or function mode, or functorch
@@ -10,6 +11,7 @@ so a call with that signature costs a dict lookup and then:
     executable runs and its outputs are exported, with no torch custom-op dispatch; when inputs
     require grad this runs inside a `torch.autograd.Function` whose backward runs the cached
     backward executable on the forward's own JAX arrays (no re-import);
+  * under a functorch transform (torch.func.grad, vjp, vmap): `functorch.FunctorchCall`;
   * otherwise: the `jaxattn::jax_call` custom op, as torch.compile and opcheck see it.
 
 Both ways share the executables (same cache keys) and count hits and misses the same way.
@@ -18,23 +20,24 @@ Both ways share the executables (same cache keys) and count hits and misses the 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import torch
 from torch.autograd import forward_ad
 
+from . import custom_ops  # noqa: F401  (registers torch.ops.jaxattn.jax_call, which this module calls)
+from .call_spec import intern
 from .devices import to_jax_device
 from . import dlpack
 from .dlpack import cuda_handshake, export_arrays, import_tensors, narrow_broadcast
 from . import fork_guard as _fork_guard
 from .fork_guard import check_not_forked
 from .forward_ad import refuse_forward_ad
+from .functorch import functorch_call
 from .higher_order import differentiable_grads
-from .traces import backward_call, forward_trace, needs_x64, signature
-
-if TYPE_CHECKING:
-    from .torch_op import JaxOp
+from .registry import Op
+from .traces import backward_call, forward_trace, signature
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -76,13 +79,13 @@ def _saved_tensor_hooks_active() -> bool:
         return True
 
 
-def prepare_arguments(op: "JaxOp", args: Sequence[Optional[torch.Tensor]], static: dict):
+def prepare_arguments(op: Op, args: Sequence[Optional[torch.Tensor]], static: dict):
     """Checks a call's arguments and narrows broadcast dims (the part torch.compile traces).
 
     Returns:
-        (tensors for the custom op, their positions in `args`, per tensor the narrowed dims or
-        None, the spec string naming the call's structure and static arguments, whether the
-        forward computes a vjp).
+        (tensors for the custom op, per tensor the narrowed dims or None, the values of the call's
+        `CallSpec`: number of arguments, positions of the tensors, per tensor the broadcast shape
+        it was narrowed from or None, sorted static arguments, whether the forward computes a vjp).
     """
     tensors, present, fulls, narrow = [], [], [], []
     for pos, arg in enumerate(args):
@@ -109,8 +112,14 @@ def prepare_arguments(op: "JaxOp", args: Sequence[Optional[torch.Tensor]], stati
                 "move all tensors to one device."
             )
     with_vjp = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    spec = repr((len(args), tuple(present), tuple(fulls), tuple(sorted(static.items())), with_vjp))
-    return tensors, present, narrow, spec, with_vjp
+    return tensors, narrow, (len(args), tuple(present), tuple(fulls), tuple(sorted(static.items())), with_vjp)
+
+
+@torch.compiler.assume_constant_result
+def spec_key(n_args: int, present: tuple, fulls: tuple, static: tuple, with_vjp: bool) -> str:
+    """The key of the `CallSpec` of these values, for the custom op: torch.compile runs this once,
+    while it traces, and keeps the string in its graph."""
+    return intern(n_args, present, fulls, static, with_vjp).key
 
 
 class CallPlan:
@@ -125,20 +134,19 @@ class CallPlan:
         TypeError / ValueError: as `JaxOp.__call__` for malformed arguments.
     """
 
-    def __init__(self, op: "JaxOp", args: Sequence[Optional[torch.Tensor]], static: dict):
+    def __init__(self, op: Op, args: Sequence[Optional[torch.Tensor]], static: dict):
         check_not_forked(op.name)
-        tensors, present, narrow, spec, with_vjp = prepare_arguments(op, args, static)
+        tensors, narrow, spec_values = prepare_arguments(op, args, static)
         device = tensors[0].device
         self.op_name = op.name
         self.n_out = op.num_outputs
-        self.with_vjp = with_vjp
-        self.spec = spec
-        self.present = tuple(present)
+        self.spec = intern(*spec_values)
+        self.with_vjp = self.spec.with_vjp
+        self.present = present = self.spec.present
         self.gather = len(present) != len(args)
         self.narrow = tuple(narrow) if any(d is not None for d in narrow) else None
         self.shapes_dtypes = signature(tensors)
         self.floating = tuple(t.dtype.is_floating_point for t in tensors)
-        self.x64 = needs_x64([t.dtype for t in tensors])
         self.device = device
         self.cuda = device.type == "cuda"
         self.direct = device.type in ("cpu", "cuda") and all(type(a) in _PLAIN_TENSORS for a in args if a is not None)
@@ -153,6 +161,8 @@ class CallPlan:
             check_not_forked(self.op_name)
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             refuse_forward_ad(self.op_name, [a for a in args if a is not None])
+            if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
+                return functorch_call(self._op, args, self.spec.kwargs)
         tensors = [args[i] for i in self.present] if self.gather else list(args)
         if self.narrow is not None:
             tensors = [t if d is None else _narrow(t, d) for t, d in zip(tensors, self.narrow)]
@@ -162,7 +172,7 @@ class CallPlan:
             else:
                 outs = self.run(tensors, keep=False)[0]
         else:
-            outs = torch.ops.jaxattn.jax_call(tensors, self.op_name, self.spec)
+            outs = torch.ops.jaxattn.jax_call(tensors, self.op_name, self.spec.key)
         return outs[0] if self.n_out == 1 else tuple(outs[: self.n_out])
 
     def trace(self):
@@ -176,7 +186,7 @@ class CallPlan:
             the trace); residuals stay JAX arrays; with `keep=False`: (outputs,).
         """
         trace = self.trace()
-        with jax.enable_x64(True) if self.x64 else contextlib.nullcontext():
+        with jax.enable_x64(True) if trace.x64 else contextlib.nullcontext():
             tensors = [dlpack.importable(t) for t in tensors]
             if self.cuda:
                 jax_stream, torch_stream = cuda_handshake(self.device, self.jax_device)
@@ -238,10 +248,9 @@ class _EagerCall(torch.autograd.Function):
             if tuple(g.shape) != shape or g.dtype != dtype:
                 g = g.to(dtype).expand(shape)
             cotangents.append(dlpack.importable(g))
-        grad_spec = repr((present, needed))
         sig = plan.shapes_dtypes + trace.out_sig + tuple(trace.out_sig[j] for j in present)
-        call = backward_call(plan.op_name, plan.spec, grad_spec, trace, n_in, sig, plan.jax_device)
-        with jax.enable_x64(True) if plan.x64 else contextlib.nullcontext():
+        call = backward_call(plan.op_name, plan.spec, (present, needed), trace, n_in, sig, plan.jax_device)
+        with jax.enable_x64(True) if trace.x64 else contextlib.nullcontext():
             if plan.cuda:
                 jax_stream, torch_stream = cuda_handshake(plan.device, plan.jax_device)
             else:

@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .traces import call_with, parse
+from .call_spec import CallSpec
+from .registry import OPS, Op
+from .traces import call_with
 
 
 def _vjp_function(op):
@@ -39,35 +41,34 @@ def _vjp_function(op):
     return vjp
 
 
-def vjp_op(op, num_grads: int):
-    """The `jax_op` computing `num_grads` of `op`'s input gradients differentiably (made once)."""
-    from .torch_op import _OPS, JaxOp
-
+def vjp_op(op: Op, num_grads: int) -> Op:
+    """The `jax_op` computing `num_grads` of `op`'s input gradients differentiably (made once, of
+    `op`'s own class, so that this module needs no class of its own)."""
     name = f"{op.name}.vjp{num_grads}"
-    found = _OPS.get(name)
-    return found if found is not None else JaxOp(_vjp_function(op), name=name, num_outputs=num_grads)
+    found = OPS.get(name)
+    return found if found is not None else type(op)(_vjp_function(op), name=name, num_outputs=num_grads)
 
 
-def differentiable_grads(op, spec: str, inputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
-                         needed: tuple, out_sig: Sequence[tuple]) -> list[torch.Tensor]:
+def differentiable_grads(op: Op, spec: CallSpec, inputs: Sequence[torch.Tensor],
+                         grads: Sequence[Optional[torch.Tensor]], needed: tuple,
+                         out_sig: Sequence[tuple]) -> list[torch.Tensor]:
     """The gradients of `op`'s inputs at positions `needed` (of its tensor inputs, as the call's
     `spec` lists them) for output gradients `grads` (None: zero), as a differentiable torch call.
 
     Args:
         op: the JaxOp.
-        spec: the call's spec string (see `call_plan.prepare_arguments`).
+        spec: the call's structure and static arguments.
         inputs: the call's tensor inputs, as passed to its executable (broadcast dims narrowed).
         grads: one gradient or None per output.
         needed: which inputs need a gradient.
         out_sig: (shape, dtype) per output, to shape the given gradients.
     """
-    n_args, present, fulls, static, _ = parse(spec)
     ct_present = tuple(j for j, g in enumerate(grads) if g is not None)
     cotangents = []
     for j in ct_present:
         shape, dtype = out_sig[j]
         g = grads[j]
         cotangents.append(g if tuple(g.shape) == tuple(shape) and g.dtype == dtype else g.to(dtype).expand(shape))
-    result = vjp_op(op, len(needed))(*inputs, *cotangents, n_args=n_args, present=tuple(present), fulls=tuple(fulls),
-                        static=tuple(static), needed=tuple(needed), ct_present=ct_present)
+    result = vjp_op(op, len(needed))(*inputs, *cotangents, n_args=spec.n_args, present=spec.present,
+                                     fulls=spec.fulls, static=spec.static, needed=tuple(needed), ct_present=ct_present)
     return list(result) if isinstance(result, tuple) else [result]

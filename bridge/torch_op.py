@@ -8,17 +8,18 @@
     >>> y = scaled_tanh(torch_x, torch_w, alpha=0.5)   # a torch tensor; y.backward() works
 
 How it works:
-  * Two torch custom ops, `jaxattn::jax_call` and `jaxattn::jax_call_backward`, carry every
-    registered function (named by a string argument), with fake implementations (shapes from
-    `jax.eval_shape`-style tracing) and an autograd formula, so `torch.compile(fullgraph=True)`
-    traces straight through them.
+  * Two torch custom ops, `jaxattn::jax_call` and `jaxattn::jax_call_backward` (`custom_ops`),
+    carry every registered function (named by a string argument) and call (a `CallSpec` key),
+    with fake implementations (shapes from `jax.eval_shape`-style tracing) and an autograd
+    formula, so `torch.compile(fullgraph=True)` traces straight through them.
   * The forward runs `jax.vjp` inside one jitted executable and returns the outputs plus the vjp
     residuals; the residuals go to torch and are kept with `ctx.save_for_backward` (so an in-place
     change of an input after the forward is caught by torch's version counter). Residuals that are
     just inputs or outputs are not returned twice.
-  * Executables are cached by signature (the function, its static arguments, input shapes, dtypes,
-    devices, broadcasts) in a bounded LRU cache; `cache_info()` reports hits, misses, size and
-    compile time.
+  * Executables are cached by signature (the function, its `CallSpec`: static arguments and
+    broadcasts, input shapes, dtypes, devices) in a bounded LRU cache; `cache_info()` reports
+    hits, misses, size and compile time.
+  * Under `torch.func` transforms (grad, vjp, jacrev, vmap) a call goes through `functorch`.
   * Eager calls take a fast path (`call_plan`): per signature everything is resolved once, and the
     call runs the executable directly, without the custom op's dispatch (the custom op stays for
     torch.compile, dispatch modes and functorch transforms).
@@ -31,26 +32,22 @@ constants: bool, int, float, str, None, tuples of those) and part of the cache k
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import pickle
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
-import jax
 import torch
 from torch.autograd import forward_ad
 
+from .call_plan import CallPlan, NotPlain, arg_key, prepare_arguments, spec_key, static_key
+from .call_spec import check_static
 from .fork_guard import check_not_forked
-from .call_plan import CallPlan, NotPlain, arg_key, prepare_arguments, static_key
-from . import dlpack
-from .dlpack import cuda_handshake, export_arrays, import_tensors
-from .dtypes import to_torch_dtype
 from .forward_ad import refuse_forward_ad
-from .higher_order import differentiable_grads
-from .traces import CACHE, backward_call, forward_trace, jax_device_of, needs_x64, parse, signature
+from .functorch import functorch_call
+from .registry import OPS as _OPS
+from .traces import CACHE
 
-_OPS: dict[str, "JaxOp"] = {}
 #: Call plans kept per op before the memo is emptied (they hold no executables, only keys).
 MAX_PLANS = 4096
 
@@ -70,87 +67,6 @@ def clear_cache() -> None:
 def set_cache_size(maxsize: int) -> None:
     """Sets how many executables the cache keeps (least recently used ones are dropped)."""
     CACHE.resize(maxsize)
-
-
-def _run(call: Callable, tensors: Sequence[torch.Tensor], x64: bool) -> list[torch.Tensor]:
-    """Imports `tensors` (one stream handshake), runs `call`, exports its results."""
-    device = tensors[0].device
-    jax_device = jax_device_of(tensors)
-    with jax.enable_x64(True) if x64 else contextlib.nullcontext():
-        tensors = [dlpack.importable(t) for t in tensors]
-        jax_stream, torch_stream = cuda_handshake(device, jax_device) if device.type == "cuda" else (None, None)
-        return export_arrays(call(*import_tensors(tensors, jax_device, jax_stream)), torch_stream)
-
-
-# --- the custom ops ------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("jaxattn::jax_call", mutates_args=())
-def _jax_call(inputs: list[torch.Tensor], op: str, spec: str) -> list[torch.Tensor]:
-    sig = signature(inputs)
-    trace = forward_trace(_OPS[op], spec, sig, jax_device_of(inputs))
-    return _run(trace.call, inputs, needs_x64([d for _, d in sig]))
-
-
-@_jax_call.register_fake
-def _jax_call_fake(inputs, op, spec):
-    trace = forward_trace(_OPS[op], spec, signature(inputs), None)
-    device = inputs[0].device
-    return [torch.empty(o.shape, dtype=to_torch_dtype(o.dtype), device=device) for o in trace.out_info]
-
-
-@torch.library.custom_op("jaxattn::jax_call_backward", mutates_args=())
-def _jax_call_backward(
-    saved: list[torch.Tensor], cotangents: list[torch.Tensor], op: str, spec: str, grad_spec: str, n_in: int
-) -> list[torch.Tensor]:
-    inputs = saved[:n_in]
-    device = jax_device_of(inputs)
-    trace = forward_trace(_OPS[op], spec, signature(inputs), device)
-    tensors = list(saved) + list(cotangents)
-    sig = signature(tensors)
-    call = backward_call(op, spec, grad_spec, trace, n_in, sig, device)
-    return _run(call, tensors, needs_x64([d for _, d in sig]))
-
-
-@_jax_call_backward.register_fake
-def _jax_call_backward_fake(saved, cotangents, op, spec, grad_spec, n_in):
-    _, needed = parse(grad_spec)
-    return [torch.empty_like(saved[i], memory_format=torch.contiguous_format) for i in needed]
-
-
-def _setup_context(ctx, inputs, output):
-    tensors, op, spec = inputs
-    jop = _OPS[op]
-    ctx.op, ctx.spec, ctx.n_in = op, spec, len(tensors)
-    ctx.needs = tuple(t.requires_grad and t.dtype.is_floating_point for t in tensors)
-    ctx.n_out = jop.num_outputs
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*output[jop.num_outputs :])
-    ctx.save_for_backward(*tensors, *output)
-
-
-def _backward(ctx, grads):
-    needed = tuple(i for i, need in enumerate(ctx.needs) if need)
-    if not needed:
-        return [None] * ctx.n_in, None, None
-    present = tuple(j for j in range(ctx.n_out) if grads[j] is not None)
-    grad_spec = repr((present, needed))
-    saved = list(ctx.saved_tensors)
-    if torch.is_grad_enabled():  # create_graph=True: gradients torch can differentiate again
-        out_sig = [(tuple(o.shape), o.dtype) for o in saved[ctx.n_in: ctx.n_in + ctx.n_out]]
-        computed = differentiable_grads(_OPS[ctx.op], ctx.spec, saved[: ctx.n_in], grads[: ctx.n_out], needed,
-                                        out_sig)
-    else:
-        computed = torch.ops.jaxattn.jax_call_backward(
-            saved, [grads[j] for j in present], ctx.op, ctx.spec, grad_spec, ctx.n_in
-        )
-    out: list[Optional[torch.Tensor]] = [None] * ctx.n_in
-    for i, g in zip(needed, computed):
-        out[i] = g
-    return out, None, None
-
-
-_jax_call.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --- public API ------------------------------------------------------------------------------------
@@ -207,6 +123,9 @@ class JaxOp:
         check_not_forked(self.name)
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             refuse_forward_ad(self.name, [a for a in args if isinstance(a, torch.Tensor)])
+            if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
+                check_static(self.name, static)
+                return functorch_call(self, args, static)
         if not torch.compiler.is_compiling():
             try:
                 key = (tuple([arg_key(a) for a in args]), tuple([(k, static_key(v)) for k, v in static.items()]),
@@ -215,13 +134,13 @@ class JaxOp:
             except (NotPlain, AttributeError, TypeError):  # not plain tensors, or unhashable statics
                 key = plan = None
             if plan is None:  # a new signature: its static arguments were never checked
-                _check_static(self.name, static)
+                check_static(self.name, static)
             if key is not None:
                 if plan is None:
                     plan = self._remember(key, CallPlan(self, args, static))
                 return plan(*args)
-        tensors, _, _, spec, _ = prepare_arguments(self, args, static)
-        result = torch.ops.jaxattn.jax_call(tensors, self.name, spec)
+        tensors, _, spec_values = prepare_arguments(self, args, static)
+        result = torch.ops.jaxattn.jax_call(tensors, self.name, spec_key(*spec_values))
         return result[0] if self.num_outputs == 1 else tuple(result[: self.num_outputs])
 
     def plan(self, *args: Optional[torch.Tensor], **static: Any) -> CallPlan:
@@ -231,7 +150,7 @@ class JaxOp:
         devices, requires_grad and leafness as these, under the same grad mode; callers that
         cache plans key them by all of these.
         """
-        _check_static(self.name, static)
+        check_static(self.name, static)
         return CallPlan(self, args, static)
 
     def _remember(self, key: tuple, plan: CallPlan) -> CallPlan:
@@ -239,23 +158,6 @@ class JaxOp:
             self._plans.clear()
         self._plans[key] = plan
         return plan
-
-
-_CONSTANT_TYPES = (bool, int, float, str, type(None))
-
-
-def _is_constant(value) -> bool:
-    """Whether a static argument survives the spec string (repr, then ast.literal_eval) unchanged."""
-    return type(value) in _CONSTANT_TYPES or (type(value) is tuple and all(_is_constant(v) for v in value))
-
-
-def _check_static(op_name: str, static: dict) -> None:
-    for name, value in static.items():
-        if not _is_constant(value):
-            raise TypeError(
-                f"{op_name}: keyword argument {name}={value!r} is a {type(value).__name__}; expected a static "
-                "Python constant (bool, int, float, str, None or a tuple of those); pass tensors positionally."
-            )
 
 
 def jax_op(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, num_outputs: int = 1):

@@ -1,28 +1,33 @@
 """Traced and compiled JAX executables of `jax_op` functions, in one bounded LRU cache.
 
 A forward executable runs the function (under `jax.vjp` when gradients are wanted) and returns its
-outputs followed by the vjp residuals; `_Trace.plan` says how to rebuild the vjp from inputs,
+outputs followed by the vjp residuals; `Trace.plan` says how to rebuild the vjp from inputs,
 outputs and residuals, so the backward executable needs nothing else. Keys hold the function's
-name, its argument spec (a repr string), the inputs' shapes and dtypes and the JAX device.
+name, its `CallSpec`, the inputs' shapes and dtypes and the JAX device.
+
+64-bit dtypes need JAX's x64 mode. It is on around calls with 64-bit inputs, and around every
+call of a function that asks for a 64-bit dtype itself (`x.astype(jnp.float64)`, `dtype=jnp.int64`):
+JAX would silently truncate that request to 32 bits (it only warns, at trace time), where torch
+returns what was asked for. The warning is what shows the request: a trace that raises it is
+traced again with x64 on, and the function keeps x64 from then on.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+import threading
+import warnings
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import torch
 
 from .cache import LRUCache
+from .call_spec import CallSpec
 from .devices import to_jax_device
 from .dtypes import X64_DTYPES, to_jax_dtype, to_torch_dtype
-
-if TYPE_CHECKING:
-    from .torch_op import JaxOp
+from .registry import Op
 
 CACHE = LRUCache(maxsize=256)
 
@@ -39,20 +44,7 @@ class Trace:
     diff: tuple  # indices (into the op's tensor inputs) that are differentiated
     out_type: Optional[type]  # tuple or list when the function returned a sequence, else None
     out_sig: tuple = ()  # ((shape, torch dtype), ...) of out_info, as `signature` writes them
-
-
-class _NonFinite(ast.NodeTransformer):
-    """repr() writes non-finite floats as the names inf and nan; read them back as floats."""
-
-    def visit_Name(self, node: ast.Name) -> ast.AST:
-        if node.id in ("inf", "nan"):
-            return ast.copy_location(ast.Constant(float(node.id)), node)
-        return node
-
-
-@functools.lru_cache(maxsize=1024)
-def parse(spec: str) -> tuple:
-    return ast.literal_eval(_NonFinite().visit(ast.parse(spec, mode="eval")))
+    x64: bool = False  # whether it was traced, and must run, with JAX's x64 mode on
 
 
 def needs_x64(dtypes: Sequence[torch.dtype]) -> bool:
@@ -86,9 +78,8 @@ def call_with(fn, inputs, diff, diff_values, n_args, present, fulls, static: dic
     return fn(*args, **static)
 
 
-def _build_forward(op: "JaxOp", spec: str, avals: list) -> Trace:
-    n_args, present, fulls, static, with_vjp = parse(spec)
-    static = dict(static)
+def _build_forward(op: Op, spec: CallSpec, avals: list, x64: bool) -> Trace:
+    n_args, present, fulls, static, with_vjp = spec.n_args, spec.present, spec.fulls, spec.kwargs, spec.with_vjp
     info: dict[str, Any] = {}
 
     def forward(*inputs):
@@ -127,31 +118,70 @@ def _build_forward(op: "JaxOp", spec: str, avals: list) -> Trace:
         info.update(plan=plan, treedef=treedef, diff=diff, n_out=len(outs), out_type=out_type)
         return outs + residuals
 
-    traced = jax.jit(forward).trace(*avals)
-    device_bound = avals and avals[0].sharding is not None
-    call = traced.lower().compile() if device_bound else None
+    x64 = x64 or op.name in _X64_OPS
+    if x64:
+        with jax.enable_x64(True):
+            traced = jax.jit(forward).trace(*avals)
+    else:
+        traced, asked = _trace_noting_x64_requests(forward, avals)
+        if asked:  # the function asked for a 64-bit dtype: trace it as it asked
+            _X64_OPS.add(op.name)
+            x64 = True
+            with jax.enable_x64(True):
+                traced = jax.jit(forward).trace(*avals)
+    with jax.enable_x64(x64):
+        call = traced.lower().compile() if avals and avals[0].sharding is not None else None
     out_info = list(traced.out_info)
     out_sig = tuple((tuple(o.shape), to_torch_dtype(o.dtype)) for o in out_info)
     return Trace(
-        call, out_info, info["n_out"], info["plan"], info["treedef"], info["diff"], info["out_type"], out_sig
+        call, out_info, info["n_out"], info["plan"], info["treedef"], info["diff"], info["out_type"], out_sig, x64
     )
 
 
-def forward_key(name: str, spec: str, shapes_dtypes: tuple, device: Optional[jax.Device]) -> tuple:
+#: Names of ops whose function asked for a 64-bit dtype: traced and run with x64 on from then on
+#: (a nested `jax.jit` traced before would not warn again).
+_X64_OPS: set[str] = set()
+_TRUNCATION_WARNING = "Explicitly requested dtype"
+# warnings.catch_warnings swaps process-wide state: one trace at a time looks at the warnings.
+_WARNINGS_LOCK = threading.RLock()
+
+
+def _trace_noting_x64_requests(fn: Callable, avals: list):
+    """(`jax.jit(fn).trace(*avals)` with x64 off, whether `fn` asked for a 64-bit dtype that JAX
+    truncated); the trace's other warnings are issued again as they came."""
+    caught: list = []
+    try:
+        with _WARNINGS_LOCK, warnings.catch_warnings(record=True) as caught, jax.enable_x64(False):
+            warnings.simplefilter("always")
+            traced = jax.jit(fn).trace(*avals)
+    finally:
+        for w in caught:
+            if not _is_truncation(w):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return traced, any(_is_truncation(w) for w in caught)
+
+
+def _is_truncation(w: warnings.WarningMessage) -> bool:
+    return issubclass(w.category, UserWarning) and str(w.message).startswith(_TRUNCATION_WARNING)
+
+
+def forward_key(name: str, spec: CallSpec, shapes_dtypes: tuple, device: Optional[jax.Device]) -> tuple:
     return ("fwd", name, spec, shapes_dtypes, device)
 
 
-def forward_trace(op: "JaxOp", spec: str, shapes_dtypes: tuple, device: Optional[jax.Device]) -> Trace:
+def forward_trace(op: Op, spec: CallSpec, shapes_dtypes: tuple, device: Optional[jax.Device]) -> Trace:
     """The cached forward trace (compiled when `device` is given; shapes only when None)."""
     def build():
-        with jax.enable_x64(needs_x64([d for _, d in shapes_dtypes])):
-            return _build_forward(op, spec, _avals(shapes_dtypes, device))
+        x64 = needs_x64([d for _, d in shapes_dtypes])
+        with jax.enable_x64(x64):
+            avals = _avals(shapes_dtypes, device)
+        return _build_forward(op, spec, avals, x64)
 
     return CACHE.get_or_build(forward_key(op.name, spec, shapes_dtypes, device), build)
 
 
-def _build_backward(trace: Trace, grad_spec: str, n_in: int, avals: list) -> Callable:
-    ct_present, needed = parse(grad_spec)
+def _build_backward(trace: Trace, grad_spec: tuple, n_in: int, avals: list) -> Callable:
+    ct_present, needed = grad_spec
     n_out, n_res = trace.n_out, len(trace.out_info) - trace.n_out
 
     def backward(*arrays):
@@ -170,11 +200,15 @@ def _build_backward(trace: Trace, grad_spec: str, n_in: int, avals: list) -> Cal
 
 
 def backward_call(
-    name: str, spec: str, grad_spec: str, trace: Trace, n_in: int, sig: tuple, device: jax.Device
+    name: str, spec: CallSpec, grad_spec: tuple, trace: Trace, n_in: int, sig: tuple, device: jax.Device
 ) -> Callable:
-    """The cached backward executable for inputs + outputs + residuals + cotangents of `sig`."""
+    """The cached backward executable for inputs + outputs + residuals + cotangents of `sig`.
+
+    `grad_spec` is (indices of the outputs that have a cotangent, indices of the inputs whose
+    gradient is wanted), both tuples of ints.
+    """
     def build():
-        with jax.enable_x64(needs_x64([d for _, d in sig])):
+        with jax.enable_x64(trace.x64 or needs_x64([d for _, d in sig])):
             return _build_backward(trace, grad_spec, n_in, _avals(sig, device))
 
     return CACHE.get_or_build(("bwd", name, spec, grad_spec, sig, device), build)
