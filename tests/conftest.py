@@ -6,14 +6,14 @@ import shutil
 # Eight virtual CPU devices so that multi-device mesh tests run in-process.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-# The Triton interpreter tests set TRITON_INTERPRET=1 for the whole process, which would turn the
-# kernels jax-triton launches into interpreted ones; on a GPU machine the kernels are tested for
-# real by test_gpu_flash.py instead.
+# Triton picks the interpreter or the compiler once per process (@triton.jit reads TRITON_INTERPRET
+# when a kernel is decorated), so the choice is made here, before anything imports triton, for the
+# whole session: without a GPU every kernel runs under the interpreter on CPU tensors; with one,
+# every kernel runs compiled, and the Triton kernel tests (test_flash_triton_fwd.py, ..._bwd.py,
+# test_skip_table_triton.py, ...) use CUDA tensors. No test file sets TRITON_INTERPRET itself: one
+# that did would switch every later kernel of a GPU session to the interpreter.
 _HAS_GPU = bool(shutil.which("nvidia-smi"))
-collect_ignore = ["test_flash_triton_fwd.py", "test_flash_triton_bwd.py"] if _HAS_GPU else []
 if not _HAS_GPU:
-    # Without a GPU every @triton.jit kernel is decorated for the interpreter, whichever test
-    # imports it first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Hypothesis profiles (tests/test_reliability_randomized.py): "ci" (the default: few examples per test)

@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attention_reference import assert_dtype_rule
+
 from jaxattn.torch_api import flash_attention, patch_sdpa, scaled_dot_product_attention
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -15,10 +17,6 @@ def _qkv(device, l=13, s=21, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     make = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).to(device)  # noqa: E731
     return make(2, 4, l, 16), make(2, 2, s, 16), make(2, 2, s, 16)
-
-
-def _err(out, ref32):
-    return (out.float() - ref32).abs().max().item()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -38,7 +36,7 @@ def test_drop_in_follows_torch_autocast(device, amp, mask):
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
         out = scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
     assert out.dtype == ref.dtype == amp
-    assert _err(out, ref32) <= 2 * _err(ref, ref32) + 1e-3
+    assert_dtype_rule("out", out, ref32, ref, floor=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -63,7 +61,7 @@ def test_flash_attention_under_autocast(device):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert out.dtype == torch.bfloat16
     ref32 = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert _err(out, ref32) <= 2 * _err(ref, ref32) + 1e-3
+    assert_dtype_rule("out", out, ref32, ref, floor=1e-3)
 
 
 def test_multihead_attention_with_padding_mask_under_autocast_and_patch(monkeypatch):

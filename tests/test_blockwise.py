@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention_reference import reference
+from attention_reference import assert_dtype_rule, reference, reference_grads, visibility
 
 from jaxattn.jax_core.blockwise import Band, block_backward, block_forward, blockwise_attn
 
@@ -26,14 +26,6 @@ def _t(x):
     return torch.from_numpy(np.asarray(x, dtype=np.float64)).transpose(1, 2)
 
 
-def _oracle(q, k, v, cot, **kw):
-    """(out, lse, (dq, dk, dv)) of the float64 reference, gradients of sum(out * cot)."""
-    q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
-    out, lse = reference(q, k, v, **kw)
-    (out * cot).sum().backward()
-    return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
-
-
 def _close(got, want, tol):
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want), atol=tol, rtol=tol)
 
@@ -46,7 +38,7 @@ def test_blockwise_attn_matches_reference(causal, chunks):
     q, k, v = _rand(gen, b, hq, t, d), _rand(gen, b, hk, s, d), _rand(gen, b, hk, s, d)
     cot = _rand(gen, b, hq, t, d)
     bias = _rand(gen, 1, hq, t, s)
-    out_ref, _, grads_ref = _oracle(q, k, v, cot, causal=causal, bias=bias)
+    out_ref, _, grads_ref = reference_grads(q, k, v, cot, causal=causal, bias=bias)
 
     def f(q_, k_, v_):
         return blockwise_attn(q_, k_, v_, bias=jnp.asarray(bias.numpy(), jnp.float32), causal=causal,
@@ -57,27 +49,26 @@ def test_blockwise_attn_matches_reference(causal, chunks):
     assert out.dtype == jnp.float32 and out.shape == (b, t, hq, d)
     _close(_t(out), out_ref, 2e-5)
     grads = jax.grad(lambda *a: jnp.sum(f(*a) * _j(cot)), argnums=(0, 1, 2))(qj, kj, vj)
-    for g, gr in zip(grads, grads_ref):
+    for g, gr in zip(grads, grads_ref[:3]):
         _close(_t(g), gr, 5e-5)
 
 
 def test_blockwise_attn_cross_lengths_policy_and_dtypes():
     gen = torch.Generator().manual_seed(3)
     q, k, v = _rand(gen, 1, 2, 33, 80), _rand(gen, 1, 2, 70, 80), _rand(gen, 1, 2, 70, 80)
-    out_ref, _, _ = _oracle(q, k, v, torch.zeros(1, 2, 33, 80))
+    out_ref, _ = reference(q, k, v)
     policy = jax.checkpoint_policies.dots_saveable
     out = blockwise_attn(_j(q), _j(k), _j(v), causal=False, query_chunk_size=8, key_chunk_size=32, policy=policy,
                          prevent_cse=False)
     _close(_t(out), out_ref, 2e-5)
     # bf16 in, bf16 out: error within twice torch's own bf16 error against the fp32 result
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
-    torch_bf16 = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb).double()
-    exact = torch.nn.functional.scaled_dot_product_attention(*(x.double() for x in (qb, kb, vb)))
+    torch_bf16 = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
+    exact, _ = reference(qb, kb, vb)
     ours = blockwise_attn(*(jnp.asarray(x.float().transpose(1, 2).numpy(), jnp.bfloat16) for x in (qb, kb, vb)),
                           causal=False, dtype=jnp.bfloat16, query_chunk_size=16, key_chunk_size=16)
     assert ours.dtype == jnp.bfloat16
-    ours_err = (_t(ours.astype(jnp.float32)) - exact).abs().max()
-    assert ours_err <= 2 * (torch_bf16 - exact).abs().max() + 1e-6
+    assert_dtype_rule("out", _t(ours.astype(jnp.float32)), exact, torch_bf16, floor=1e-6)
 
 
 def test_blockwise_attn_dropout():
@@ -110,10 +101,10 @@ def test_blockwise_attn_errors():
         blockwise_attn(q, q, q, bias=jnp.ones((1, 2, 8, 9)))
 
 
-def _segment_mask(gen, b, t, s):
+def _segment_ids(gen, b, t, s):
     q_ids = torch.randint(0, 3, (b, t), generator=gen)
     kv_ids = torch.randint(0, 3, (b, s), generator=gen)
-    return q_ids, kv_ids, (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    return q_ids, kv_ids
 
 
 @pytest.mark.parametrize("band,causal,window", [
@@ -129,9 +120,9 @@ def test_block_kernels_with_global_statistics(band, causal, window):
     b, hq, hk, t, d = 2, 6, 2, 45, 24
     q, k, v = _rand(gen, b, hq, t, d), _rand(gen, b, hk, t, d), _rand(gen, b, hk, t, d)
     cot = _rand(gen, b, hq, t, d)
-    q_ids, kv_ids, seg_mask = _segment_mask(gen, b, t, t)
-    kw = dict(causal=causal, window=window, softcap=2.5, mask=seg_mask)
-    out_ref, lse_ref, grads_ref = _oracle(q, k, v, cot, **kw)
+    q_ids, kv_ids = _segment_ids(gen, b, t, t)
+    kw = dict(causal=causal, window=window, softcap=2.5, segment_ids=(q_ids, kv_ids))
+    out_ref, lse_ref, grads_ref = reference_grads(q, k, v, cot, **kw)
     seg = (jnp.asarray(q_ids.numpy(), jnp.int32), jnp.asarray(kv_ids.numpy(), jnp.int32))
     common = dict(scale=d ** -0.5, band=band, softcap=2.5, segment_ids=seg, chunk_q=16, chunk_k=8)
     out, lse = block_forward(_j(q), _j(k), _j(v), **common)
@@ -141,7 +132,7 @@ def test_block_kernels_with_global_statistics(band, causal, window):
     _close(np.where(finite.numpy(), np.asarray(lse), 0), torch.where(finite, lse_ref, 0), 2e-5)
     delta = jnp.swapaxes(jnp.sum(out * _j(cot), axis=-1), 1, 2)
     grads = block_backward(_j(q), _j(k), _j(v), _j(cot), lse, delta, **common)
-    for g, gr in zip(grads, grads_ref):
+    for g, gr in zip(grads, grads_ref[:3]):
         _close(_t(g), gr, 5e-5)
 
 
@@ -151,7 +142,7 @@ def test_block_forward_key_limit_and_empty_rows():
     q, k, v = _rand(gen, 1, 2, 10, 8), _rand(gen, 1, 2, 12, 8), _rand(gen, 1, 2, 12, 8)
     out, lse = block_forward(_j(q), _j(k), _j(v), scale=8 ** -0.5, band=Band(None, -2), kv_len=9, chunk_q=4,
                              chunk_k=5)
-    visible = (torch.arange(12)[None, :] <= torch.arange(10)[:, None] - 2) & (torch.arange(12)[None, :] < 9)
+    visible = visibility(10, 12, causal=True, offset=-2) & (torch.arange(12) < 9)  # keys j <= i - 2, j < 9
     out_ref, lse_ref = reference(q, k, v, mask=visible)
     _close(_t(out), out_ref, 2e-5)
     assert np.all(np.isneginf(np.asarray(lse)[:, :, :2])) and np.all(np.asarray(out)[:, :2] == 0)

@@ -4,9 +4,9 @@
 the kernels run exactly as launched on a GPU, on small shapes with small key blocks and few programs
 (`SmallLaunch`) so that several blocks, cut segments and empty sequences occur; the tests through
 `decode_attention` run the product's own launch choices. Unwritten cache slots and unused pages hold NaN.
-The oracle is torch's SDPA math backend in float64 with an explicit mask (plain float64 torch ops
-for soft cap and sinks). On a machine with CUDA, JAX on GPU and jax-triton the same tests run the
-compiled kernels (float32 inputs, tf32x3 dots).
+The oracle is the float64 reference of tests/attention_reference.py (`decode_reference`). On a
+machine with CUDA, JAX on GPU and jax-triton the same tests run the compiled kernels (float32 inputs,
+tf32x3 dots).
 """
 
 import dataclasses
@@ -23,7 +23,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 import jax_triton_interpret  # noqa: E402
-from decode_cases import layout_cache, oracle, ragged_cache  # noqa: E402
+from attention_reference import decode_reference, reference  # noqa: E402
+from decode_cases import layout_cache, ragged_cache  # noqa: E402
 
 from jaxattn.jax_core import AttentionMetadata, attention, decode_attention  # noqa: E402
 from jaxattn.jax_core.kernels.decode_jax_triton import DecodeConfig, decode_attention_triton  # noqa: E402
@@ -81,7 +82,7 @@ def _case(seed, groups, t, layout):
 
 
 def _check(out, lse, q, k, v, **kw):
-    want, want_lse = oracle(q.transpose(1, 2), k, v, LENGTHS, STARTS, **kw)
+    want, want_lse = decode_reference(q.transpose(1, 2), k, v, LENGTHS, STARTS, **kw)
     out = _t(out).transpose(1, 2)
     assert (out - want).abs().max().item() < 2e-5
     lse, finite = _t(lse), torch.isfinite(want_lse)
@@ -125,7 +126,7 @@ def test_one_sequence_with_two_row_blocks():
     sinks = torch.randn(20, generator=gen)
     cfg = SmallLaunch(scale=D ** -0.5, window=(37, -1), programs=3, min_share=1)
     out, lse = decode_attention_triton(_j(q), _j(k), _j(v), _j(lengths), _j(starts), None, _j(sinks), cfg)
-    want, want_lse = oracle(q.transpose(1, 2), k, v, lengths, starts, window=37, sinks=sinks)
+    want, want_lse = decode_reference(q.transpose(1, 2), k, v, lengths, starts, window=37, sinks=sinks)
     assert (_t(out).transpose(1, 2) - want).abs().max().item() < 2e-5
     assert (_t(lse) - want_lse).abs().max().item() < 2e-5
 
@@ -215,7 +216,7 @@ def test_through_decode_attention_with_gradients():
     _check(jnp.swapaxes(out.attention_outputs, 1, 2), out.lse, q, k, v, window=10, softcap=4.0, sinks=sinks)
 
     leaves = [x.double().requires_grad_() for x in (qh, torch.nan_to_num(k), torch.nan_to_num(v), sinks)]
-    want, _ = oracle(leaves[0], leaves[1], leaves[2], LENGTHS, STARTS, window=10, softcap=4.0, sinks=leaves[3])
+    want, _ = decode_reference(*leaves[:3], LENGTHS, STARTS, window=10, softcap=4.0, sinks=leaves[3])
     ref = torch.autograd.grad((want * cot.double()).sum(), leaves)
     assert (_t(grads[0]) - ref[0]).abs().max() < 2e-5
     assert (_t(grads[3]) - ref[3]).abs().max() < 2e-5
@@ -231,7 +232,6 @@ def test_attention_interface_runs_the_triton_path():
     k, v = (jax.random.normal(x, (2, 2, 45, 16)) for x in keys[1:])
     kw = dict(causal=True, causal_alignment="bottom_right", sliding_window=(20, 0), layout="BHTD", return_lse=True)
     got = attention(q, k, v, implementation="decode", metadata=GPU, **kw)
-    with jax.default_matmul_precision("highest"):  # no TF32 in the reference on a GPU
-        want = attention(q, k, v, implementation="vanilla", **kw)
-    np.testing.assert_allclose(got.attention_outputs, want.attention_outputs, atol=2e-5, rtol=0)
-    np.testing.assert_allclose(got.lse, want.lse, atol=2e-5, rtol=0)
+    want, want_lse = reference(_t(q), _t(k), _t(v), causal=True, alignment="bottom_right", window=(20, 0))
+    assert (_t(got.attention_outputs) - want).abs().max().item() < 2e-5
+    assert (_t(got.lse) - want_lse).abs().max().item() < 2e-5

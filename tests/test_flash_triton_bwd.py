@@ -1,35 +1,47 @@
-"""Flash attention backward Triton kernels (jax_core/kernels/flash_bwd_triton.py) on the CPU.
+"""Flash attention backward Triton kernels (jax_core/kernels/flash_bwd_triton.py) on torch tensors:
+compiled on a CUDA machine, under Triton's interpreter on CPU tensors elsewhere.
 
-The kernels run under Triton's interpreter on CPU torch tensors; no forward kernel is involved:
-out and lse come from a float64 torch reference of FLASH_CONTRACT.md's math, and the gradients
-(dq, dk, dv, dS / dbias, dsinks) are checked against float64 torch autograd of the same reference.
+No forward kernel is involved: out and lse come from the float64 oracle of tests/attention_reference.py
+(FLASH_CONTRACT.md's math), and the gradients (dq, dk, dv, dS / dbias, dsinks) are checked against
+float64 torch autograd of the same oracle.
+
+Where the kernels run: conftest.py sets TRITON_INTERPRET=1 for the whole session on machines without a
+GPU, before anything imports triton. This file used to set it itself at import, which on a GPU machine
+switched every later @triton.jit kernel of the session to the interpreter (so conftest had to drop
+the file there). Now the file follows the session: interpreted -> CPU tensors, else CUDA tensors
+and the compiled kernels, so the same cases also check the real kernels on a GPU.
 """
 
+import dataclasses
 import os
+from typing import Optional
 
-# Must precede the kernels' import: @triton.jit picks the interpreter at decoration time.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import dataclasses  # noqa: E402
-from typing import Optional  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 try:
-    import triton  # noqa: E402
+    import triton
 except Exception as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"triton is not importable ({exc!r}): the Triton backward kernels cannot run",
                 allow_module_level=True)
 
-if os.environ["TRITON_INTERPRET"] == "1":
+from attention_reference import reference as float64_reference  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if INTERPRETED:
+    DEVICE = "cpu"
     from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
     if not isinstance(triton.language.sum, InterpretedFunction):
         raise RuntimeError(
-            "triton was imported (in compiled mode) before this file set TRITON_INTERPRET=1, so its "
-            "own jit helpers (tl.sum, ...) cannot run under the interpreter: set TRITON_INTERPRET=1 "
-            "earlier (environment or conftest.py) or run this file on its own")
+            "triton was imported (in compiled mode) before TRITON_INTERPRET=1 was set, so its own jit "
+            "helpers (tl.sum, ...) cannot run under the interpreter: set TRITON_INTERPRET=1 before "
+            "anything imports triton (environment or conftest.py)")
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("no CUDA device and TRITON_INTERPRET is unset (conftest.py sets it where nvidia-smi is "
+                "missing): the kernels can run neither compiled nor interpreted", allow_module_level=True)
 
 from jaxattn.jax_core.kernels import flash_bwd_triton as kern  # noqa: E402
 
@@ -38,60 +50,23 @@ NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------------------------
-# float64 reference of the contract's math
+# the oracle with the kernels' argument names
 # ----------------------------------------------------------------------------------------------
 
 
-def positional_visible(L: int, S: int, causal: bool, window: tuple[int, int], diag: int) -> torch.Tensor:
-    """(L, S) bool: the contract's positional rule with p(i) = i + diag."""
-    p = torch.arange(L)[:, None] + diag
-    j = torch.arange(S)[None, :]
-    vis = torch.ones(L, S, dtype=torch.bool)
-    if causal:
-        vis &= j <= p
-    if window[0] >= 0:
-        vis &= j >= p - window[0]
-    if window[1] >= 0:
-        vis &= j <= p + window[1]
-    return vis
-
-
 def reference(q, k, v, *, bias, mask, sinks, probe, scale, softcap, causal, window, diag):
-    """Contract math in float64: logits -> softcap -> +bias -> mask / positional rule -> softmax
-    with sinks -> @ V. `probe` is a zero (B, Hq, L, S) tensor added after the bias, so its
-    gradient is dS (the gradient w.r.t. the logit after softcap and bias).
+    """The float64 oracle of the contract's math. `probe` is a zero (B, Hq, L, S) tensor added to the
+    bias (after the soft cap), so its gradient is dS (the gradient w.r.t. the logit after softcap and
+    bias). `diag` is the kernels' diagonal offset: 0 (top-left) or S - L (bottom-right).
 
     Returns:
         out (B, Hq, L, Dv); lse (B, Hq, L) with -inf on rows with nothing visible and no sink.
     """
-    B, Hq, L, _ = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    group = Hq // Hk
-    kr = k.repeat_interleave(group, dim=1)
-    vr = v.repeat_interleave(group, dim=1)
-    s = scale * q @ kr.transpose(-1, -2)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if bias is not None:
-        s = s + bias
-    s = s + probe
-    vis = positional_visible(L, S, causal, window, diag).expand(B, Hq, L, S)
-    if mask is not None:
-        vis = vis & (mask != 0)
-    vis = vis & (s > NEG_INF)  # a -inf bias hides a key like the mask does
-    row_any = vis.any(-1, keepdim=True)
-    if sinks is not None:
-        row_any = torch.ones_like(row_any)
-    # Rows with nothing visible use finite dummies (no NaN in autograd); their p is 0 anyway.
-    s = torch.where(row_any, torch.where(vis, s, NEG_INF), 0.0)
-    parts = [s]
-    if sinks is not None:
-        parts.append(sinks.view(1, Hq, 1, 1).expand(B, Hq, L, 1))
-    lse = torch.logsumexp(torch.cat(parts, dim=-1), dim=-1, keepdim=True)
-    p = torch.where(vis, torch.exp(s - lse), 0.0)
-    out = p @ vr
-    lse = torch.where(row_any, lse, NEG_INF).squeeze(-1)
-    return out, lse
+    L, S = q.shape[2], k.shape[2]
+    assert diag in (0, S - L), f"diag={diag}: the oracle knows top-left (0) and bottom-right ({S - L}) only"
+    return float64_reference(q, k, v, bias=probe if bias is None else bias + probe, mask=mask, sinks=sinks,
+                             scale=scale, softcap=softcap, causal=causal, window=window,
+                             alignment="bottom_right" if diag else "top_left")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,7 +76,7 @@ def reference(q, k, v, *, bias, mask, sinks, probe, scale, softcap, causal, wind
 
 def launch_backward(q, k, v, out, do, lse, *, bias, mask, scale, softcap, causal, window, diag,
                     write_ds, block_m=16, block_n=16, delta=None, kernels=None):
-    """Runs the three backward kernels on q's device (the CPU: interpreter). bias / mask are
+    """Runs the three backward kernels on q's device (compiled on CUDA, interpreted on the CPU). bias / mask are
     (B, Hq, L, S) views, stride 0 on broadcast dims. Outputs start as NaN so unwritten elements
     show up. Every argument is passed positionally, in the contract's order.
 
@@ -255,7 +230,7 @@ def _check(name, actual, ref, tol, errors=None):
     assert err <= tol * mag, f"{name}: max abs err {err:.3g} > {tol} * {mag:.3g}"
 
 
-def run_case(case: Case, *, device="cpu", kernels=None, tol=None, errors=None):
+def run_case(case: Case, *, device=DEVICE, kernels=None, tol=None, errors=None):
     """Reference vs kernels for one case; raises on a mismatch. Returns (kernel outputs, lse)."""
     q64, k64, v64, do64, bias64, mask, sinks64 = _make(case)
     B, Hq, L, S = case.B, case.Hq, case.L, case.S
@@ -391,9 +366,9 @@ def test_external_delta_is_used():
                              softcap=None, causal=False, window=(-1, -1), diag=0)
     dlse = torch.randn(lse64.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     ref = torch.autograd.grad((out64, lse64), leaves, (do64, dlse))
-    delta = ((do64 * out64.detach()).sum(-1) - dlse).to(torch.float32).contiguous()
-    q, k, v, out, do = (t.detach().to(torch.float32).contiguous() for t in (q64, k64, v64, out64, do64))
-    got = launch_backward(q, k, v, out, do, lse64.detach().float().contiguous(), bias=None, mask=None,
+    delta = ((do64 * out64.detach()).sum(-1) - dlse).to(DEVICE, torch.float32).contiguous()
+    q, k, v, out, do = (t.detach().to(DEVICE, torch.float32).contiguous() for t in (q64, k64, v64, out64, do64))
+    got = launch_backward(q, k, v, out, do, lse64.detach().to(DEVICE, torch.float32).contiguous(), bias=None, mask=None,
                           scale=scale, softcap=None, causal=False, window=(-1, -1), diag=0,
                           write_ds=False, delta=delta)
     for name, r in zip(("dq", "dk", "dv"), ref):

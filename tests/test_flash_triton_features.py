@@ -19,7 +19,8 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 import jax_triton_interpret  # noqa: E402
-from attention_reference import assert_close_finite, reference  # noqa: E402
+from attention_reference import (assert_close_finite, from_bthd, reference, reference_grads,  # noqa: E402
+                                 varlen_reference)
 
 from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 
@@ -64,11 +65,9 @@ def _run(q, k, v, cot, *, extras, cfg, sinks=None):
 
 
 def _ref_grads(q, k, v, cot, sinks=None, **kw):
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    s = None if sinks is None else sinks.clone().requires_grad_(True)
-    out, lse = reference(*leaves, sinks=s, **kw)
-    (out * cot).sum().backward()
-    return out.detach(), lse.detach(), [x.grad for x in leaves] + [None if s is None else s.grad]
+    """(out, lse, [dq, dk, dv, dsinks]) of the float64 oracle (`cu_seqlens=(cu_q, cu_k)`: packed)."""
+    out, lse, (dq, dk, dv, _, dsinks) = reference_grads(q, k, v, cot, sinks=sinks, **kw)
+    return out, lse, [dq, dk, dv, dsinks]
 
 
 _close = assert_close_finite
@@ -137,51 +136,6 @@ def _varlen_case(gen, lens_q, lens_k, tail_q, tail_k, Hq=4, Hk=2, D=24, Dv=16):
     return q, k, v, cot, cu_q, cu_k
 
 
-def _varlen_reference(q, k, v, cot, cu_q, cu_k, *, sinks=None, keep=None, dropout_p=0.0, **kw):
-    """Per-sequence float64 reference; rows outside every sequence give 0 / -inf / zero grads."""
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    s = None if sinks is None else sinks.clone().requires_grad_(True)
-    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
-    pieces = []
-    for n in range(len(cu_q) - 1):
-        qs, ks = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
-        o, l_ = reference(leaves[0][:, :, qs], leaves[1][:, :, ks], leaves[2][:, :, ks], sinks=s, **kw)
-        if keep is not None:  # redo the output with the kernels' dropout mask
-            qq, kk, vv = leaves[0][:, :, qs], leaves[1][:, :, ks], leaves[2][:, :, ks]
-            probs = _probs(qq, kk, l_, **kw)
-            o = (probs * keep[:, :, qs, ks] / (1 - dropout_p)) @ vv.repeat_interleave(qq.shape[1] // vv.shape[1], 1)
-        pieces.append((qs, o, l_))
-    total = sum((o * cot[:, :, qs]).sum() for qs, o, _ in pieces)
-    total.backward()
-    for qs, o, l_ in pieces:
-        out[:, :, qs] = o.detach()
-        lse[:, :, qs] = l_.detach()
-    grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
-    return out, lse, grads + [None if s is None else s.grad]
-
-
-def _probs(q, k, lse, causal=False, alignment="top_left", window=None, softcap=None, scale=None, **_):
-    """Softmax probabilities (sinks folded in through lse) of the reference's logits."""
-    hq, hk = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(hq // hk, 1)
-    l, s = q.shape[2], k.shape[2]
-    logits = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    pos = torch.arange(l)[:, None] + (s - l if alignment == "bottom_right" else 0)
-    key = torch.arange(s)[None, :]
-    vis = torch.ones(l, s, dtype=torch.bool)
-    if causal:
-        vis &= key <= pos
-    if window is not None:
-        if window[0] >= 0:
-            vis &= key >= pos - window[0]
-        if window[1] >= 0:
-            vis &= key <= pos + window[1]
-    return torch.exp(logits.masked_fill(~vis, float("-inf")) - lse[..., None]).nan_to_num(0.0)
-
-
 VARLEN_CASES = {
     "plain": dict(),
     "causal-top-left": dict(causal=True),
@@ -206,7 +160,7 @@ def test_varlen_forward_and_gradients(case, layout):
     )
     extras = fj.FlashExtras(cu_seqlens=(jnp.asarray(cu_q), jnp.asarray(cu_k)))
     out, lse, grads = _run(q, k, v, cot, extras=extras, cfg=cfg, sinks=sinks)
-    r_out, r_lse, r_grads = _varlen_reference(q, k, v, cot, cu_q, cu_k, sinks=sinks, **kw)
+    r_out, r_lse, r_grads = _ref_grads(q, k, v, cot, sinks=sinks, cu_seqlens=(cu_q, cu_k), **kw)
     _close("out", out, r_out)
     _close("lse", lse, r_lse)
     for name, g, rg in zip(["dq", "dk", "dv", "dsinks"], grads, r_grads):
@@ -217,7 +171,7 @@ def test_varlen_forward_and_gradients(case, layout):
 # --------------------------------------------------------------------------------------------- dropout
 
 def _keep_mask(seed, bh, l, s, p):
-    return torch.from_numpy(np.asarray(fj.dropout_keep_mask(jnp.asarray(seed, jnp.int32), bh, l, s, p)))
+    return torch.from_numpy(np.array(fj.dropout_keep_mask(jnp.asarray(seed, jnp.int32), bh, l, s, p)))
 
 
 def test_dropout_mask_is_bernoulli_and_seeded():
@@ -241,15 +195,11 @@ def test_dropout_forward_and_gradients(causal):
     cfg = fj.FlashConfig(scale=D ** -0.5, causal=causal, dropout_p=p, layout="BHTD")
     out, lse, grads = _run(q, k, v, cot, extras=extras, cfg=cfg)
 
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    _, r_lse = reference(*leaves, causal=causal)
-    probs = _probs(leaves[0], leaves[1], r_lse, causal=causal)
-    r_out = (probs * keep / (1 - p)) @ leaves[2].repeat_interleave(Hq // Hk, 1)
-    (r_out * cot).sum().backward()
-    _close("out", out, r_out.detach())
-    _close("lse", lse, r_lse.detach())  # dropout never changes the normaliser
-    for name, g, leaf in zip("qkv", grads, leaves):
-        _close(f"d{name}", g, leaf.grad)
+    r_out, r_lse, r_grads = _ref_grads(q, k, v, cot, causal=causal, dropout_keep=keep, dropout_p=p)
+    _close("out", out, r_out)
+    _close("lse", lse, r_lse)  # dropout never changes the normaliser
+    for name, g, rg in zip("qkv", grads, r_grads):
+        _close(f"d{name}", g, rg)
 
 
 def test_dropout_with_varlen_uses_packed_coordinates():
@@ -262,8 +212,8 @@ def test_dropout_with_varlen_uses_packed_coordinates():
                          varlen_bottom_right=True, dropout_p=p)
     extras = fj.FlashExtras(cu_seqlens=(jnp.asarray(cu_q), jnp.asarray(cu_k)), seed=jnp.asarray(seed, jnp.int32))
     out, lse, grads = _run(q, k, v, cot, extras=extras, cfg=cfg)
-    r_out, r_lse, r_grads = _varlen_reference(q, k, v, cot, cu_q, cu_k, keep=keep, dropout_p=p, causal=True,
-                                              alignment="bottom_right")
+    r_out, r_lse, r_grads = _ref_grads(q, k, v, cot, cu_seqlens=(cu_q, cu_k), dropout_keep=keep, dropout_p=p,
+                                       causal=True, alignment="bottom_right")
     _close("out", out, r_out)
     _close("lse", lse, r_lse)
     for name, g, rg in zip(["dq", "dk", "dv"], grads, r_grads):
@@ -272,24 +222,27 @@ def test_dropout_with_varlen_uses_packed_coordinates():
 
 # --------------------------------------------------------------------------------------------- dispatch
 
-def test_flash_gpu_path_through_attention_matches_vanilla_reference():
-    """`attention(implementation="flash")` on the GPU path equals the float64-tested vanilla path."""
+def test_flash_gpu_path_through_attention_matches_the_oracle():
+    """`attention(implementation="flash")` on the GPU path, packed and with segment ids, equals the
+    float64 oracle."""
     from jaxattn.jax_core import AttentionMetadata, attention
 
     md = AttentionMetadata(platform="gpu", backend="cuda")
     ks = jax.random.split(jax.random.key(3), 4)
     q = jax.random.normal(ks[0], (1, 70, 4, 32))
     k, v = (jax.random.normal(kk, (1, 90, 2, 32)) for kk in ks[1:3])
+    cu = (jnp.array([0, 10, 70], jnp.int32), jnp.array([0, 25, 90], jnp.int32))
+    ids = (jnp.array([[1] * 30 + [2] * 40]), jnp.array([[1] * 50 + [2] * 40]))
+    qt, kt, vt = (from_bthd(x) for x in (q, k, v))
+    ids_t = tuple(torch.from_numpy(np.array(x)) for x in ids)
     cases = [
-        dict(cu_seqlens=(jnp.array([0, 10, 70], jnp.int32), jnp.array([0, 25, 90], jnp.int32)), causal=True,
-             causal_alignment="bottom_right", max_seqlen=(64, 128)),
-        dict(segment_ids=(jnp.array([[1] * 30 + [2] * 40]), jnp.array([[1] * 50 + [2] * 40])), causal=True),
+        (dict(cu_seqlens=cu, causal=True, causal_alignment="bottom_right", max_seqlen=(64, 128)),
+         varlen_reference(qt, kt, vt, *(np.asarray(c) for c in cu), causal=True, alignment="bottom_right")[0]),
+        (dict(segment_ids=ids, causal=True), reference(qt, kt, vt, segment_ids=ids_t, causal=True)[0]),
     ]
-    for kw in cases:
+    for kw, want in cases:
         got = attention(q, k, v, implementation="flash", metadata=md, **kw)
-        with jax.default_matmul_precision("highest"):  # no TF32 in the reference on a GPU
-            want = attention(q, k, v, implementation="vanilla", **kw)
-        np.testing.assert_allclose(got.attention_outputs, want.attention_outputs, atol=2e-5, rtol=2e-5)
+        _close("out", from_bthd(got.attention_outputs), want, 2e-5)
     drop = md.replace(dropout_prob=0.3)  # same rng -> same mask; another rng -> another
     a, b = (attention(q, k, v, implementation="flash", metadata=drop, dropout_rng=ks[3]).attention_outputs for _ in "ab")
     c = attention(q, k, v, implementation="flash", metadata=drop, dropout_rng=jax.random.fold_in(ks[3], 1))

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from attention_reference import assert_dtype_rule, reference
+
 import jaxattn.bridge as bridge
 from jaxattn.torch_api import scaled_dot_product_attention as jax_sdpa
 
@@ -26,16 +28,12 @@ def _math(*args, **kwargs):
 
 
 def _naive(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
-    """Attention from plain torch ops in the inputs' dtype."""
-    if enable_gqa:
-        k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (k, v))
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if is_causal:
-        l, s = q.shape[-2], k.shape[-2]
-        attn_mask = torch.ones(l, s, dtype=torch.bool, device=q.device).tril()
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    return torch.softmax(scores, dim=-1) @ v
+    """Attention from plain torch ops in the inputs' dtype: the oracle's math (tests/attention_reference.py)
+    run in q's dtype, with SDPA's arguments (a bool attn_mask hides keys, a float one is added)."""
+    if not enable_gqa and q.shape[-3] != k.shape[-3]:
+        raise ValueError("different head counts need enable_gqa=True (as for torch's SDPA)")
+    kw = {} if attn_mask is None else {"mask" if attn_mask.dtype == torch.bool else "bias": attn_mask}
+    return reference(q, k, v, causal=is_causal, dtype=q.dtype, **kw)[0]
 
 
 def _inputs(gen, b, hq, hk, l, s, e, dtype, requires_grad=False):
@@ -83,12 +81,9 @@ def test_parity_low_precision(case, dtype, implementation):
     our_grads = torch.autograd.grad(ours, (q, k, v), dout.to(dtype))
     assert ours.dtype == dtype and ours.shape == ref.shape
 
-    def err(x, y):
-        return (x.float() - y).abs().max().item()
-
-    assert err(ours, ref) <= 2 * max(err(o, ref) for o in torch_runs) + 1e-4
+    assert_dtype_rule("out", ours, ref, torch_runs, floor=1e-4)
     for i, (name, g, rg) in enumerate(zip("qkv", our_grads, ref_grads)):
-        assert err(g, rg) <= 2 * max(err(tg[i], rg) for tg in torch_grads_runs) + 1e-4, name
+        assert_dtype_rule(f"d{name}", g, rg, [tg[i] for tg in torch_grads_runs], floor=1e-4)
 
 
 def test_zero_copy_cuda():

@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from jax.sharding import Mesh, PartitionSpec as P
+
+from attention_reference import reference
 
 import jaxattn.jax_core as jc
 from jaxattn.jax_core import (
@@ -58,42 +61,14 @@ def np_reference(
     q, k, v, *, scale=None, bias=None, mask=None, causal=False, alignment="top_left", window=None,
     softcap=None, sinks=None,
 ):
-    """float64 NumPy attention on (B, T, H, D) arrays; returns (output (B,T,Hq,Dv), probs (B,Hq,T,S))."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, t, hq, d = q.shape
-    s, hk = k.shape[1], k.shape[2]
-    k = np.repeat(k, hq // hk, axis=2)  # query head h uses kv head h // (hq // hk)
-    v = np.repeat(v, hq // hk, axis=2)
-    scale = d**-0.5 if scale is None else scale
-    logits = np.einsum("bthd,bshd->bhts", q, k) * scale
-    if softcap is not None:
-        logits = softcap * np.tanh(logits / softcap)
-    if bias is not None:
-        logits = logits + np.asarray(bias, np.float64)
-    pos = np.arange(t)[:, None] + (s - t if alignment == "bottom_right" else 0)
-    j = np.arange(s)[None, :]
-    visible = np.ones((t, s), bool)
-    if causal:
-        visible &= j <= pos
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            visible &= j >= pos - left
-        if right >= 0:
-            visible &= j <= pos + right
-    visible = np.broadcast_to(visible, logits.shape)
-    if mask is not None:
-        visible = visible & np.asarray(mask, bool)
-    logits = np.where(visible, logits, -np.inf)
-    if sinks is not None:
-        sinks = np.asarray(sinks, np.float64).reshape(1, hq, 1, -1)
-        logits = np.concatenate([logits, np.broadcast_to(sinks, (b, hq, t, sinks.shape[-1]))], axis=-1)
-    row_max = logits.max(-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.exp(logits - row_max)
-    den = e.sum(-1, keepdims=True)
-    p = (e / np.where(den == 0, 1.0, den))[..., :s]  # drop the sink columns
-    return np.einsum("bhts,bshd->bthd", p, v), p
+    """The float64 oracle (tests/attention_reference.py) on (B, T, H, D) arrays; returns NumPy
+    (output (B, T, Hq, Dv), probs (B, Hq, T, S))."""
+    t = lambda x: None if x is None else torch.from_numpy(np.asarray(x, np.float64))  # noqa: E731
+    out, _, probs = reference(
+        *(t(x).transpose(1, 2) for x in (q, k, v)), scale=scale, bias=t(bias),
+        mask=None if mask is None else torch.from_numpy(np.asarray(mask, bool)), causal=causal, alignment=alignment,
+        window=window, softcap=softcap, sinks=t(sinks), return_probs=True)
+    return out.transpose(1, 2).numpy(), probs.numpy()
 
 
 def _close(actual, expected, atol=3e-5, rtol=3e-5):
@@ -744,15 +719,15 @@ def test_float16_and_bfloat16_on_cpu():
     assert AttentionRegistry.select(_inputs(dtype="float64")) is AttentionRegistry.get("vanilla")
 
 
-def _jax_reference_f64(q, k, v, bias, causal):
-    hq, hk = q.shape[2], k.shape[2]
-    k = jnp.repeat(k, hq // hk, axis=2)
-    v = jnp.repeat(v, hq // hk, axis=2)
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5 + bias
-    if causal:
-        t, s = q.shape[1], k.shape[1]
-        logits = jnp.where(jnp.arange(s)[None, :] <= jnp.arange(t)[:, None], logits, -jnp.inf)
-    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
+def _oracle_grads(q, k, v, loss, *, bias=None, mask=None, **kw):
+    """float64 gradients of loss(out) w.r.t. q, k, v (and the bias, when given) by the oracle on
+    (B, T, H, D) arrays; NumPy, in the inputs' layouts."""
+    t = lambda x: torch.from_numpy(np.asarray(x, np.float64))  # noqa: E731
+    leaves = [t(x).transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
+    b = None if bias is None else t(bias).requires_grad_(True)
+    out, _ = reference(*leaves, bias=b, mask=None if mask is None else torch.from_numpy(np.asarray(mask, bool)), **kw)
+    grads = torch.autograd.grad(loss(out.transpose(1, 2)), leaves + ([] if b is None else [b]))
+    return [g.transpose(1, 2).numpy() for g in grads[:3]] + [g.numpy() for g in grads[3:]]
 
 
 @pytest.mark.parametrize("impl", ["vanilla", "sdpa"])
@@ -767,11 +742,8 @@ def test_gradients_match_float64_reference(impl):
         return jnp.sum(out * ct)
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
-    with jax.enable_x64(True):
-        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias)]
-        ref_grads = jax.jit(jax.grad(lambda q, k, v, b: jnp.sum(_jax_reference_f64(q, k, v, b, True) * ct),
-                                     argnums=(0, 1, 2, 3)))(*args)
-        ref_grads = [np.asarray(g) for g in ref_grads]
+    ref_grads = _oracle_grads(q, k, v, lambda out: (out * torch.from_numpy(np.asarray(ct, np.float64))).sum(),
+                              bias=bias, causal=True)
     for g, r, name in zip(grads, ref_grads, "qkvb"):
         assert g.dtype == jnp.float32, name
         np.testing.assert_allclose(np.asarray(g), r, atol=5e-5, rtol=1e-4, err_msg=name)
@@ -790,8 +762,7 @@ def test_gradients_finite_with_fully_masked_rows(impl):
     for g in (gq, gk, gv):
         assert np.all(np.isfinite(np.asarray(g)))
     assert np.all(np.asarray(gq)[0, 3] == 0)  # a fully masked query gets no gradient
-    ref = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, mask=mask, implementation="vanilla")
-                                                   .attention_outputs ** 2), argnums=(0, 1, 2)))(q, k, v)
+    ref = _oracle_grads(q, k, v, lambda out: (out ** 2).sum(), mask=mask)
     for g, r in zip((gq, gk, gv), ref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4)
 

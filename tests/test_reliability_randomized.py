@@ -19,7 +19,7 @@ soft cap, sliding windows, sinks, segment ids, bottom-right alignment, the LSE, 
 caches. Inputs are fresh random tensors from a generator seeded by a drawn integer.
 
 Oracles (never the implementation under test): torch's math SDPA on float64 copies of the inputs, or
-the float64 plain-torch reference of tests/attention_reference.py (tests/decode_cases.py for caches).
+the float64 plain-torch reference of tests/attention_reference.py (`decode_reference` for caches).
 Tolerances: float64 1e-10 and float32 2e-5, relative to max(1, |oracle|max) (gradients 1e-9 / 5e-5);
 bfloat16 / float16: our error against the float64 oracle <= 2x torch's own same-dtype error + one
 unit of the dtype's epsilon at the output's scale.
@@ -54,8 +54,8 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_reference import reference
-from decode_cases import layout_cache, oracle as decode_oracle, ragged_cache
+from attention_reference import assert_dtype_rule, decode_reference, max_error, reference, segment_visibility
+from decode_cases import layout_cache, ragged_cache
 
 from jaxattn.jax_core import AttentionInputs, AttentionMetadata, AttentionRegistry, attention
 from jaxattn.torch_api import decode_attention, flash_attention, scaled_dot_product_attention
@@ -133,11 +133,6 @@ def qkv(g, sh: Shapes, dtype):
             randn(g, sh.b, sh.hk, sh.s, sh.ev, dtype=dtype))
 
 
-def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    finite = torch.isfinite(want)
-    return (got.double()[finite] - want.double()[finite]).abs().max().item() if finite.any() else 0.0
-
-
 def check(name: str, got: torch.Tensor, want: torch.Tensor, dtype: str, *, lowp: Optional[torch.Tensor] = None,
           tol: Optional[dict] = None) -> None:
     """`got` against the float64 `want`: same shape and non-finite pattern; error within the dtype's rule
@@ -147,14 +142,11 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, dtype: str, *, lowp:
     assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite pattern differs from the oracle's"
     assert torch.equal(got[~finite].double(), want[~finite]), f"{name}: non-finite values differ"
     size = max(1.0, want[finite].abs().max().item()) if finite.any() else 1.0
-    err = max_err(got, want)
     if dtype in ("float32", "float64"):
-        bound = (tol or TOL)[dtype] * size
+        err, bound = max_error(got, want), (tol or TOL)[dtype] * size
         assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} ({dtype})"
         return
-    torch_err = max_err(lowp, want)
-    bound = 2 * torch_err + torch.finfo(TORCH_DTYPES[dtype]).eps * size
-    assert err <= bound, f"{name}: max error {err:.3e} > 2 * torch's {torch_err:.3e} + eps ({dtype})"
+    assert_dtype_rule(f"{name} ({dtype})", got, want, lowp, floor=torch.finfo(TORCH_DTYPES[dtype]).eps * size)
 
 
 def ours_supports(impl: str, sh: Shapes, dtype: str, metadata: Optional[AttentionMetadata] = None, *,
@@ -366,7 +358,7 @@ def flash_inputs(case: FlashCase, dtype):
         if case.sorted_segments:
             q_ids, kv_ids = q_ids.sort(-1).values, kv_ids.sort(-1).values
         ids = (q_ids, kv_ids)
-    mask = None if ids is None else ids[0][:, None, :, None] == ids[1][:, None, None, :]
+    mask = None if ids is None else segment_visibility(*ids)
     return g, q, k, v, sinks, ids, mask
 
 
@@ -494,9 +486,8 @@ def test_decode_api_forward(data):
     out, lse = got if case.return_lse else (got, None)
     assert out.dtype == q.dtype and out.shape == (case.b, case.hq, case.t, case.dv)
     kw = dict(window=case.window, softcap=case.softcap, scale=case.scale)
-    merged = None if sinks is None else (sinks if sinks.dim() == 1 else torch.logsumexp(sinks.double(), -1))
-    want, want_lse = decode_oracle(q, k, v, lens, starts, sinks=merged, **kw)
-    low = (None, None) if case.dtype in TOL else decode_oracle(q, k, v, lens, starts, sinks=merged, dtype=q.dtype, **kw)
+    want, want_lse = decode_reference(q, k, v, lens, starts, sinks=sinks, **kw)
+    low = (None, None) if case.dtype in TOL else decode_reference(q, k, v, lens, starts, sinks=sinks, dtype=q.dtype, **kw)
     check("out", out, want, case.dtype, lowp=low[0])
     if lse is not None:
         check("lse", lse, want_lse, case.dtype, lowp=low[1])

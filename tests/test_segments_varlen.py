@@ -1,7 +1,7 @@
 """Segment ids and varlen packing in jax_core (masks, `vanilla`, selection, meshes, errors).
 
-The oracle is float64 NumPy attention with visibility built by explicit Python loops over the
-documented rules (or, for varlen, by running each packed sequence on its own)."""
+The oracle is the float64 reference of tests/attention_reference.py: its visibility builders for the
+masks, `reference` with segment ids, and `varlen_reference` (each packed sequence on its own)."""
 
 from __future__ import annotations
 
@@ -11,69 +11,36 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from attention_reference import (from_bthd, reference, reference_grads, segment_visibility, to_bthd, varlen_reference,
+                                 varlen_visibility, visibility)
+
 from jaxattn.jax_core import AttentionInputs, AttentionMetadata, AttentionRegistry, PartitionAxis, attention
 from jaxattn.jax_core.masks import segment_mask, varlen_mask
 
 
 # ----------------------------------------------------------------------------------------------
-# oracle
+# the oracle on (B, T, H, D) arrays
 # ----------------------------------------------------------------------------------------------
 
 
-def np_attention(q, k, v, visible, scale=None):
-    """float64 attention on (B, T, Hq, D), (B, S, Hk, D), (B, S, Hk, Dv) with `visible`
-    broadcastable to (B, Hq, T, S); returns (out (B, T, Hq, Dv), lse (B, Hq, T)); empty rows: 0, -inf."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    hq, hk = q.shape[2], k.shape[2]
-    k, v = np.repeat(k, hq // hk, axis=2), np.repeat(v, hq // hk, axis=2)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = np.einsum("bthd,bshd->bhts", q, k) * scale
-    visible = np.broadcast_to(visible, logits.shape)
-    logits = np.where(visible, logits, -np.inf)
-    row_max = logits.max(-1, keepdims=True, initial=-np.inf)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.exp(logits - row_max)
-    den = e.sum(-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        lse = (np.log(den) + row_max)[..., 0]
-    p = e / np.where(den == 0, 1.0, den)
-    return np.einsum("bhts,bshd->bthd", p, v), lse
+def oracle(q, k, v, **kw):
+    """`reference` on (B, T, H, D) arrays: (out (B, T, Hq, Dv), lse (B, Hq, T)) as float64 NumPy."""
+    out, lse = reference(from_bthd(q), from_bthd(k), from_bthd(v), **kw)
+    return to_bthd(out), lse.numpy()
 
 
-def rule(i, j, t, s, causal, alignment, window):
-    """The positional rule for query i, key j of a (t, s) sequence, written out."""
-    p = i + (s - t if alignment == "bottom_right" else 0)
-    ok = True
-    if causal:
-        ok = ok and j <= p
-    if window is not None:
-        if window[0] >= 0:
-            ok = ok and j >= p - window[0]
-        if window[1] >= 0:
-            ok = ok and j <= p + window[1]
-    return ok
+def oracle_grads(q, k, v, cotangent, **kw):
+    """float64 gradients of sum(out * cotangent) w.r.t. q, k, v, as (B, T, H, D) NumPy arrays."""
+    _, _, grads = reference_grads(from_bthd(q), from_bthd(k), from_bthd(v), from_bthd(cotangent), **kw)
+    return [to_bthd(g) for g in grads[:3]]
 
 
-def loop_segment_visible(q_ids, kv_ids, causal=False, window=None):
-    b, t = q_ids.shape
-    s = kv_ids.shape[1]
-    out = np.zeros((b, 1, t, s), bool)
-    for n in range(b):
-        for i in range(t):
-            for j in range(s):
-                out[n, 0, i, j] = q_ids[n, i] == kv_ids[n, j] and rule(i, j, t, s, causal, "top_left", window)
-    return out
-
-
-def loop_varlen_visible(lengths, t_total, s_total, causal=False, alignment="top_left", window=None):
-    out = np.zeros((1, 1, t_total, s_total), bool)
-    q0 = k0 = 0
-    for lq, lk in lengths:
-        for i in range(lq):
-            for j in range(lk):
-                out[0, 0, q0 + i, k0 + j] = rule(i, j, lq, lk, causal, alignment, window)
-        q0, k0 = q0 + lq, k0 + lk
-    return out
+def per_sequence_reference(q, k, v, lengths, causal, alignment, window):
+    """Each packed sequence through the oracle on its own; padding rows 0 and -inf."""
+    cu_q, cu_k = cu_of(lengths)
+    out, lse = varlen_reference(from_bthd(q), from_bthd(k), from_bthd(v), cu_q, cu_k, causal=causal,
+                                alignment=alignment, window=window)
+    return to_bthd(out), lse.numpy()
 
 
 def cu_of(lengths):
@@ -105,19 +72,19 @@ def close_lse(actual, expected):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_segment_mask_matches_loops():
+def test_segment_mask_matches_the_oracle():
     rng = np.random.default_rng(0)
     q_ids, kv_ids = rng.integers(-2, 3, (2, 9)), rng.integers(-2, 3, (2, 11))
     got = jax.jit(segment_mask)(jnp.asarray(q_ids), jnp.asarray(kv_ids))
     assert got.shape == (2, 1, 9, 11) and got.dtype == jnp.bool_
-    np.testing.assert_array_equal(got, loop_segment_visible(q_ids, kv_ids))
+    np.testing.assert_array_equal(got, segment_visibility(q_ids, kv_ids).numpy())
 
 
 @pytest.mark.parametrize("causal,alignment,window", [
     (False, "top_left", None), (True, "top_left", None), (True, "bottom_right", None),
     (False, "bottom_right", (2, 1)), (True, "top_left", (3, -1)), (False, "top_left", (-1, 0)),
 ])
-def test_varlen_mask_matches_loops(causal, alignment, window):
+def test_varlen_mask_matches_the_oracle(causal, alignment, window):
     lengths = [(4, 7), (1, 1), (0, 3), (6, 2), (5, 0), (3, 3)]
     cu_q, cu_k = cu_of(lengths)
     t_total, s_total = int(cu_q[-1]) + 3, int(cu_k[-1]) + 2  # trailing padding rows and columns
@@ -125,7 +92,8 @@ def test_varlen_mask_matches_loops(causal, alignment, window):
                                            sliding_window=window))
     got = f(jnp.asarray(cu_q), jnp.asarray(cu_k))  # cu_seqlens traced
     assert got.shape == (1, 1, t_total, s_total)
-    np.testing.assert_array_equal(got, loop_varlen_visible(lengths, t_total, s_total, causal, alignment, window))
+    np.testing.assert_array_equal(got, varlen_visibility(cu_q, cu_k, t_total, s_total, causal=causal,
+                                                         alignment=alignment, window=window).numpy())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,8 +110,8 @@ def test_vanilla_segment_ids_match_explicit_mask(layout, causal, window):
     # unsorted, non-contiguous ids; a query id (9) that no key has gives empty rows
     q_ids = rng.choice(np.array([7, -3, 2, 9]), (b, t)).astype(np.int32)
     kv_ids = rng.choice(np.array([2, 7, -3]), (b, s)).astype(np.int64)
-    visible = loop_segment_visible(q_ids, kv_ids, causal, window)
-    ref_out, ref_lse = np_attention(q, k, v, visible)
+    visible = (segment_visibility(q_ids, kv_ids) & visibility(t, s, causal=causal, window=window)).numpy()
+    ref_out, ref_lse = oracle(q, k, v, segment_ids=(q_ids, kv_ids), causal=causal, window=window)
     args = (q, k, v) if layout == "BTHD" else tuple(np.swapaxes(x, 1, 2) for x in (q, k, v))
     res = attention(*args, segment_ids=(q_ids, kv_ids), causal=causal, sliding_window=window, return_lse=True,
                     layout=layout)  # automatic selection: sdpa declines segment ids, vanilla runs
@@ -151,24 +119,6 @@ def test_vanilla_segment_ids_match_explicit_mask(layout, causal, window):
     close(out, ref_out)
     close_lse(res.lse, ref_lse)
     assert np.any(~visible.any(-1)) and np.all(np.asarray(out)[~visible[:, 0].any(-1)] == 0)
-
-
-def _grads_f64(q, k, v, visible, cotangent):
-    """Gradients of sum(out * cotangent) by float64 jnp attention with an explicit mask."""
-    def f(q, k, v):
-        hq, hk = q.shape[2], k.shape[2]
-        kk, vv = jnp.repeat(k, hq // hk, axis=2), jnp.repeat(v, hq // hk, axis=2)
-        logits = jnp.einsum("bthd,bshd->bhts", q, kk) * q.shape[-1] ** -0.5
-        logits = jnp.where(visible, logits, -jnp.inf)
-        m = jax.lax.stop_gradient(jnp.max(logits, -1, keepdims=True))
-        e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0))
-        den = jnp.sum(e, -1, keepdims=True)
-        p = e / jnp.where(den == 0, 1, den)
-        return jnp.sum(jnp.einsum("bhts,bshd->bthd", p, vv) * cotangent)
-
-    with jax.enable_x64(True):
-        args = tuple(jnp.asarray(x, jnp.float64) for x in (q, k, v))
-        return [np.asarray(g) for g in jax.jit(jax.grad(f, argnums=(0, 1, 2)))(*args)]
 
 
 def test_vanilla_segment_ids_gradients():
@@ -179,7 +129,7 @@ def test_vanilla_segment_ids_gradients():
     ct = rng.standard_normal((b, t, 4, 12)).astype(np.float32)
     f = lambda q, k, v: jnp.sum(attention(q, k, v, segment_ids=(q_ids, kv_ids), causal=True).attention_outputs * ct)
     grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
-    ref = _grads_f64(q, k, v, loop_segment_visible(q_ids, kv_ids, causal=True), ct)
+    ref = oracle_grads(q, k, v, ct, segment_ids=(q_ids, kv_ids), causal=True)
     for g, r in zip(grads, ref):
         close(g, r, atol=5e-5, rtol=5e-5)
 
@@ -189,22 +139,6 @@ def test_vanilla_segment_ids_gradients():
 # ----------------------------------------------------------------------------------------------
 
 LENGTHS = [(5, 9), (1, 1), (7, 3), (13, 13), (0, 4), (3, 0), (1, 6)]  # L_n != S_n, empty sides, length 1
-
-
-def per_sequence_reference(q, k, v, lengths, causal, alignment, window):
-    """Each packed sequence through the oracle on its own; padding rows 0 and -inf."""
-    t_total, hq, dv = q.shape[1], q.shape[2], v.shape[3]
-    out, lse = np.zeros((1, t_total, hq, dv)), np.full((1, hq, t_total), -np.inf)
-    cu_q, cu_k = cu_of(lengths)
-    for n, (lq, lk) in enumerate(lengths):
-        if lq == 0:
-            continue
-        qs, ks, vs = q[:, cu_q[n]:cu_q[n + 1]], k[:, cu_k[n]:cu_k[n + 1]], v[:, cu_k[n]:cu_k[n + 1]]
-        visible = np.array([[rule(i, j, lq, lk, causal, alignment, window) for j in range(lk)] for i in range(lq)],
-                           bool).reshape(lq, lk)
-        o, l = np_attention(qs, ks, vs, visible)
-        out[:, cu_q[n]:cu_q[n + 1]], lse[:, :, cu_q[n]:cu_q[n + 1]] = o, l
-    return out, lse
 
 
 @pytest.mark.parametrize("layout", ["BTHD", "BHTD"])
@@ -229,22 +163,19 @@ def test_vanilla_varlen_matches_per_sequence(layout, causal, alignment, window):
     assert np.all(np.asarray(res.lse)[0, :, cu_q[-1]:] == -np.inf)
 
 
-def test_vanilla_varlen_same_as_separate_vanilla_calls_and_gradients():
+def test_vanilla_varlen_forward_and_gradients_match_the_oracle():
     lengths = [(6, 4), (1, 1), (9, 11)]
     cu_q, cu_k = cu_of(lengths)
     q, k, v = qkv(4, 1, int(cu_q[-1]) + 2, int(cu_k[-1]))
     kw = dict(causal=True, causal_alignment="bottom_right")
     packed = jax.jit(lambda q, k, v: attention(q, k, v, cu_seqlens=(cu_q, cu_k), **kw).attention_outputs)(q, k, v)
-    alone_fn = jax.jit(lambda q, k, v: attention(q, k, v, implementation="vanilla", **kw).attention_outputs)
-    for n in range(len(lengths)):
-        alone = alone_fn(q[:, cu_q[n]:cu_q[n + 1]], k[:, cu_k[n]:cu_k[n + 1]], v[:, cu_k[n]:cu_k[n + 1]])
-        np.testing.assert_allclose(packed[:, cu_q[n]:cu_q[n + 1]], alone, atol=1e-6, rtol=1e-6)
+    close(packed, per_sequence_reference(q, k, v, lengths, True, "bottom_right", None)[0])
 
     ct = np.random.default_rng(40).standard_normal(packed.shape).astype(np.float32)
     f = lambda q, k, v: jnp.sum(attention(q, k, v, cu_seqlens=(cu_q, cu_k), **kw).attention_outputs * ct)
     grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
-    visible = loop_varlen_visible(lengths, q.shape[1], k.shape[1], True, "bottom_right")
-    for g, r in zip(grads, _grads_f64(q, k, v, visible, ct)):
+    visible = varlen_visibility(cu_q, cu_k, q.shape[1], k.shape[1], causal=True, alignment="bottom_right")
+    for g, r in zip(grads, oracle_grads(q, k, v, ct, mask=visible)):
         close(g, r, atol=5e-5, rtol=5e-5)
 
 
@@ -371,7 +302,7 @@ def test_mesh_segment_ids_and_varlen(mesh22):
         q, k, v, segment_ids=(q_ids, kv_ids), causal=True, metadata=AttentionMetadata(mesh=mesh22),
         implementation="vanilla").attention_outputs)(q, k, v)
     assert len(out.sharding.device_set) == 4
-    close(out, np_attention(q, k, v, loop_segment_visible(q_ids, kv_ids, causal=True))[0])
+    close(out, oracle(q, k, v, segment_ids=(q_ids, kv_ids), causal=True)[0])
 
     lengths = [(7, 5), (12, 18)]
     cu_q, cu_k = cu_of(lengths)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from attention_reference import reference
+from attention_reference import reference, varlen_reference
 
 from jaxattn.torch_api import AttentionInputError, flash_attention
 
@@ -133,8 +133,7 @@ def test_segment_ids_match_float64(form, lq, lk, kw):
     kv_ids = q_ids if form == "single" else torch.tensor([9, 5, -1])[torch.randint(0, 3, (2, lk), generator=gen)]
     segment_ids = q_ids if form == "single" else (q_ids.to(torch.int32), kv_ids)
     out, lse = flash_attention(q, k, v, segment_ids=segment_ids, return_lse=True, **kw)
-    mask = q_ids[:, None, :, None] == kv_ids[:, None, None, :]  # (B, 1, L, S): the documented rule
-    ref_out, ref_lse = reference(q, k, v, mask=mask, alignment=kw.get("causal_alignment", "top_left"),
+    ref_out, ref_lse = reference(q, k, v, segment_ids=(q_ids, kv_ids), alignment=kw.get("causal_alignment", "top_left"),
                                  causal=kw.get("causal", False), window=kw.get("window"))
     assert out.shape == (2, 4, lq, 16) and lse.shape == (2, 4, lq)
     _check_against(out, lse, ref_out, ref_lse, [q, k, v], gen)
@@ -154,20 +153,10 @@ def _cu(lengths, dtype=torch.int32):
     return cu
 
 
-def varlen_reference(q, k, v, lengths, *, sinks=None, **kw):
-    """Each packed sequence through the float64 reference on its own: ((total_q, Hq, Ev), (Hq, total_q))."""
-    hq, ev = q.shape[1], v.shape[2]
-    outs, lses, q0, k0 = [], [], 0, 0
-    for lq, lk in lengths:
-        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[q0:q0 + lq], k[k0:k0 + lk], v[k0:k0 + lk]))
-        o, l = reference(qs, ks, vs, sinks=sinks, **kw)
-        outs.append(o[0].transpose(0, 1))
-        lses.append(l[0])
-        q0, k0 = q0 + lq, k0 + lk
-    pad = q.shape[0] - q0
-    outs.append(torch.zeros(pad, hq, ev, dtype=torch.float64))
-    lses.append(torch.full((hq, pad), float("-inf"), dtype=torch.float64))
-    return torch.cat(outs), torch.cat(lses, dim=1)
+def packed_reference(q, k, v, cu_q, cu_k, **kw):
+    """The oracle's `varlen_reference` on packed (total, H, E) tensors: ((total_q, Hq, Ev), (Hq, total_q))."""
+    out, lse = varlen_reference(*(x.transpose(0, 1)[None] for x in (q, k, v)), cu_q, cu_k, **kw)
+    return out[0].transpose(0, 1), lse[0]
 
 
 @pytest.mark.parametrize("kw", [
@@ -191,7 +180,7 @@ def test_varlen_matches_per_sequence_float64(kw):
         softcap=kw.get("softcap"), sinks=sinks, return_lse=True,
     )
     assert out.shape == (total_q, 4, 16) and lse.shape == (4, total_q) and lse.dtype == torch.float32
-    ref_out, ref_lse = varlen_reference(q, k, v, VARLEN, sinks=sinks, **kw)
+    ref_out, ref_lse = packed_reference(q, k, v, cu_q, cu_k, sinks=sinks, **kw)
     assert torch.all(out[-3:] == 0) and torch.all(lse[:, -3:] == float("-inf"))  # padding rows
     _check_against(out, lse, ref_out, ref_lse, [q, k, v] + ([sinks] if sinks is not None else []), gen)
 

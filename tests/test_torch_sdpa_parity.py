@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from attention_reference import assert_dtype_rule, reference, visibility
+
 from jaxattn.torch_api import current_implementation, scaled_dot_product_attention, sdpa_implementation
 
 IMPLS = ("vanilla", "sdpa", None)
@@ -98,11 +100,9 @@ def assert_lowp_parity(out: torch.Tensor, q, k, v, **kwargs) -> None:
     ref32 = torch_math(q.float(), k.float(), v.float(), **kw32)
     ref_lowp = torch_math(q, k, v, **kwargs)
     assert torch.isfinite(out).all()
-    our_err = (out.float() - ref32).abs().max().item()
-    torch_err = (ref_lowp.float() - ref32).abs().max().item()
     rounded = ref32.to(dtype)
     eps = 2 * (rounded + 0.3 - 0.3 - rounded).abs().max().item()  # flash-attn's fwd_atol
-    assert our_err <= 2 * torch_err + eps, f"{dtype}: error {our_err:.3e} > 2 * torch's {torch_err:.3e} + {eps:.3e}"
+    assert_dtype_rule(f"out ({dtype})", out, ref32, ref_lowp, floor=eps)
 
 
 # --- forward, float32 -----------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_causal_l_ne_s_top_left(impl, seq_q, seq_k):
     out = ours(q, k, v, impl=impl, is_causal=True)
     assert_close(out, torch_math(q, k, v, is_causal=True))
     # Top-left alignment, spelled out: query i sees keys j <= i.
-    top_left = torch.ones(seq_q, seq_k, dtype=torch.bool).tril()
+    top_left = visibility(seq_q, seq_k, causal=True)
     assert_close(out, torch_math(q, k, v, attn_mask=top_left))
 
 
@@ -482,7 +482,7 @@ def test_dropout_weights_and_forward(impl):
     # Independent masks per (batch, head), not one pattern repeated.
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
     # Kept weights are the softmax probabilities scaled by 1/(1-p) (float64 oracle).
-    probs = torch.softmax((q.double() @ k.double().transpose(-1, -2)) / math.sqrt(e), dim=-1)
+    _, _, probs = reference(q, k, v, return_probs=True)
     assert_close(weights, torch.where(keep, probs / (1 - P_DROP), 0))
     # The real call with the same seed uses the same mask: out = P_drop @ v.
     torch.manual_seed(77)
@@ -508,11 +508,7 @@ def test_dropout_backward_uses_forward_mask(impl):
     out.backward(grad_out)
 
     ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
-    rq, rk, rv = ref_leaves
-    logits = (rq @ rk.transpose(-1, -2)) / math.sqrt(e)
-    if is_causal:
-        logits = logits.masked_fill(~torch.ones(l, s, dtype=torch.bool).tril(), float("-inf"))
-    ref_out = (torch.softmax(logits, dim=-1) * keep / (1 - P_DROP)) @ rv
+    ref_out, _ = reference(*ref_leaves, causal=is_causal, dropout_keep=keep, dropout_p=P_DROP)
     ref_out.backward(grad_out.double())
     assert_close(out.detach().double(), ref_out.detach())
     for name, got, want in zip(("dq", "dk", "dv"), leaves, ref_leaves):
