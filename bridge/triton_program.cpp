@@ -179,6 +179,22 @@ struct ProgramFunction : public torch::autograd::Function<ProgramFunction> {
   }
 };
 
+// Runs `body`; its outputs, or ("oom" | "error", message) when it threw. No C++ exception leaves the
+// extension: one crossing pybind11 was seen to crash the process on a CUDA host whose compiler
+// differs from torch's, so errors travel as values and triton_program.py raises them.
+template <typename Body>
+py::object guarded(Body&& body) {
+  try {
+    return py::cast(body());
+  } catch (const c10::OutOfMemoryError& e) {
+    return py::make_tuple("oom", e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    return py::make_tuple("error", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return py::make_tuple("error", e.what());
+  }
+}
+
 Launch make_launch(uint64_t function, std::vector<int64_t> grid, int64_t block, int64_t shared,
                    std::vector<int64_t> args) {
   TORCH_CHECK(grid.size() == 3, "triton_program: a grid has 3 dims");
@@ -222,13 +238,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return static_cast<int64_t>(programs.size() - 1);
   });
   // A TensorList argument, not a vector: autograd takes edges from tensors and tensor lists only.
-  m.def("apply", [](int64_t id, variable_list inputs) { return ProgramFunction::apply(id, at::TensorList(inputs)); });
+  m.def("apply", [](int64_t id, variable_list inputs) {
+    return guarded([&] { return ProgramFunction::apply(id, at::TensorList(inputs)); });
+  });
   // Without autograd (no input needs a gradient, or grad mode is off): the forward's outputs only.
   m.def("forward_only", [](int64_t id, variable_list inputs) {
-    auto p = program(id);
-    std::vector<at::Tensor> buffers = run_forward(*p, inputs);
-    variable_list outs;
-    for (int64_t i : p->outputs) outs.push_back(buffers[i]);
-    return outs;
+    return guarded([&] {
+      auto p = program(id);
+      std::vector<at::Tensor> buffers = run_forward(*p, inputs);
+      variable_list outs;
+      for (int64_t i : p->outputs) outs.push_back(buffers[i]);
+      return outs;
+    });
   });
 }

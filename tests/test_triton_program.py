@@ -90,3 +90,17 @@ def test_unknown_program_raises(identity):
             triton_program.apply(bad, [x, x])
     with pytest.raises(ValueError, match="takes 2 tensors, got 3"):
         triton_program.apply(identity, [x, x, x])
+
+
+def test_errors_inside_the_extension_are_raised_as_python_exceptions(identity, monkeypatch):
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    huge = ((2 ** 50,), (1,), torch.float32)  # no machine has 4 PiB: the allocation fails inside C++
+    pid = triton_program.register(
+        num_inputs=1, forward_allocs=[huge], forward_launches=[], outputs=[1], saved=[], grad_layouts=[],
+        backward_allocs=[], backward_launches=[], grads=[-1], second_order_error="-")
+    x = torch.randn(3)
+    for run in (triton_program.forward_only, triton_program.apply):
+        with pytest.raises(RuntimeError, match="triton_program: .*memory"):
+            run(pid, [x])
+    (out,) = triton_program.forward_only(identity, [x, x])  # the extension still works afterwards
+    assert torch.equal(out, x)
