@@ -145,8 +145,8 @@ def reference(q, k, v, *, causal=False, alignment="top_left", window=None, softc
         visible = visible & mask.to(q.device).bool()
     if segment_ids is not None:
         visible = visible & segment_visibility(*segment_ids).to(q.device)
-    visible = (visible & (logits != NEG_INF)).expand(logits.shape)
-    logits = logits.masked_fill(~visible, NEG_INF)
+    visible = visible.expand(logits.shape)
+    logits = logits.masked_fill(~visible, NEG_INF)  # a -inf bias hides its key the same way
     columns = logits
     if sinks is not None:
         sink = sinks.to(q.device, dtype).reshape(1, hq, 1, -1).expand(b, hq, l, -1)
