@@ -41,6 +41,9 @@ import torch
 from .triton_launch import KernelLaunch, _constexpr_names
 
 ENV_SWITCH = "JAXATTN_TRITON_PROGRAMS"
+#: Programs are never freed (the extension keeps them by id); past this many, new signatures (a
+#: decoding loop meets a new cache length every step) keep the Python launch path.
+MAX_PROGRAMS = 4096
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_program.cpp")
 
 
@@ -150,7 +153,7 @@ def register(*, num_inputs: int, forward_allocs: Sequence[tuple], forward_launch
     launches are (KernelLaunch, {kernel tensor argument: buffer index}) with compiled kernels; see
     `triton_program.cpp` for how buffers are numbered."""
     ext = module()
-    if ext is None:
+    if ext is None or len(_inputs) >= MAX_PROGRAMS:
         return None
     constants: list = []
     built = []

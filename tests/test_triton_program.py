@@ -104,3 +104,12 @@ def test_errors_inside_the_extension_are_raised_as_python_exceptions(identity, m
             run(pid, [x])
     (out,) = triton_program.forward_only(identity, [x, x])  # the extension still works afterwards
     assert torch.equal(out, x)
+
+
+def test_registration_stops_at_the_cap(identity, monkeypatch):
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    args = dict(num_inputs=2, forward_allocs=[], forward_launches=[], outputs=[0], saved=[], grad_layouts=[],
+                backward_allocs=[], backward_launches=[], grads=[-1, -1], second_order_error="-")
+    monkeypatch.setattr(triton_program, "MAX_PROGRAMS", len(triton_program._inputs) + 1)
+    assert triton_program.register(**args) is not None
+    assert triton_program.register(**args) is None  # a caller then keeps its Python launch path
