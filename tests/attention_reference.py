@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -212,8 +213,6 @@ def decode_reference(q, k, v, lengths, starts, *, window=None, **kw):
 
 def from_bthd(x):
     """A (B, T, H, D) NumPy / JAX array as a float64 torch (B, H, T, D) tensor (None stays None)."""
-    import numpy as np
-
     return None if x is None else torch.from_numpy(np.array(x, np.float64)).transpose(1, 2)
 
 

@@ -9,22 +9,25 @@ the verdict comes from `not_supported_reasons` of the call's signature, which mu
 undeclared feature. A declared feature refused for another reason (a platform or shape rule) is
 skipped with those reasons.
 
-Launchers (what runs the implementation on this CPU machine):
-  jax           `jax_core.attention` on JAX arrays; flash on its GPU path through the Triton
-                interpreter stand-in of jax-triton (tests/jax_triton_interpret.py), ring on a mesh of
-                two simulated CPU devices.
+Launchers (what runs the implementation here):
+  jax           `jax_core.attention` on JAX arrays; without a GPU, flash runs its GPU path through the
+                Triton interpreter stand-in of jax-triton (tests/jax_triton_interpret.py); ring runs on
+                a mesh of two simulated CPU devices.
   torch_xla     `torch_api.flash_attention` (and `scaled_dot_product_attention` for bias / bool mask)
                 under `sdpa_launcher("xla")`: the JAX executables through the bridge.
   torch_native  the same calls under `sdpa_launcher("native")`: flash's Triton kernels launched from
                 torch (interpreted on CPU tensors).
-The torch API has no `return_weights` (and no cross-length bias on `flash_attention`), so "weights"
-is checked through the jax launcher only. Ring has its own torch entry point (test_ring.py).
+The torch API has no `return_weights`, so "weights" is checked through the jax launcher only. Ring
+has its own torch entry point (test_ring.py). On a GPU machine (conftest.py leaves TRITON_INTERPRET
+unset there) everything but ring runs on the GPU: JAX arrays on JAX's default device with float32
+dots at full precision, torch tensors on CUDA, the kernels compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 
 import jax
@@ -45,6 +48,9 @@ GQA_HK = 2
 CU_Q, CU_K = (0, 3, 8), (0, 10, 24)  # varlen: two sequences (3, 10) and (5, 14), batch 1
 DROPOUT_P = 0.3
 TOL, GRAD_TOL = 3e-5, 1e-4
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+ON_GPU = not INTERPRETED and torch.cuda.is_available() and jax.default_backend() == "gpu"
+TORCH_DEVICE = "cuda" if ON_GPU else "cpu"
 
 LAUNCHERS = {
     "jax": ("vanilla", "sdpa", "flash", "ring", "decode"),
@@ -128,7 +134,14 @@ def _signature(q, k, v, call: dict, feature: str, platform: str, backend: str) -
 @contextlib.contextmanager
 def _setting(impl: str, launcher: str, monkeypatch):
     """(metadata, platform, backend) that run `impl` by `launcher` here."""
-    if impl == "flash":
+    if impl == "ring":
+        mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("sp",))
+        with jax.default_device(jax.devices("cpu")[0]):  # the mesh's platform, also on a GPU machine
+            yield AttentionMetadata(mesh=mesh), "cpu", "cpu"
+    elif ON_GPU:
+        with jax.default_matmul_precision("highest"):  # no TF32 in JAX's float32 dots
+            yield AttentionMetadata(), "gpu", "cuda"
+    elif impl == "flash":
         pytest.importorskip("triton", reason="flash's kernels need triton (its interpreter on CPU)")
         if launcher == "jax" and importlib.util.find_spec("jax_triton") is None:
             import jax_triton_interpret
@@ -136,9 +149,6 @@ def _setting(impl: str, launcher: str, monkeypatch):
             monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
         # backend "rocm": the portable tanh (the interpreter cannot run PTX's tanh.approx)
         yield AttentionMetadata(platform="gpu", backend="rocm"), "gpu", "rocm"
-    elif impl == "ring":
-        mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("sp",))
-        yield AttentionMetadata(mesh=mesh), "cpu", "cpu"
     else:
         yield AttentionMetadata(), "cpu", "cpu"
 
@@ -166,10 +176,11 @@ def _run_jax(impl, md, arrays, call, cot, feature):
 
 
 def _run_torch(impl, launcher, arrays, call, cot, feature):
-    """The same call through the torch API on (B, H, T, D) CPU tensors, by `launcher`."""
-    q, k, v = (torch.from_numpy(x).transpose(1, 2).requires_grad_(feature == "backward") for x in arrays)
-    t = {n: (tuple(torch.from_numpy(i) for i in x) if n in ("segment_ids", "cu_seqlens") else
-             torch.from_numpy(x) if isinstance(x, np.ndarray) else x) for n, x in call.items()}
+    """The same call through the torch API on (B, H, T, D) tensors, by `launcher`."""
+    dev = TORCH_DEVICE
+    q, k, v = (torch.from_numpy(x).to(dev).transpose(1, 2).requires_grad_(feature == "backward") for x in arrays)
+    t = {n: (tuple(torch.from_numpy(i).to(dev) for i in x) if n in ("segment_ids", "cu_seqlens") else
+             torch.from_numpy(x).to(dev) if isinstance(x, np.ndarray) else x) for n, x in call.items()}
     with sdpa_launcher("native" if launcher == "torch_native" else "xla"):
         if "bias" in t or "mask" in t:
             out = scaled_dot_product_attention(q, k, v, attn_mask=t.get("bias", t.get("mask")), implementation=impl)
@@ -191,8 +202,8 @@ def _run_torch(impl, launcher, arrays, call, cot, feature):
                 out, lse = res if kw["return_lse"] else (res, None)
     grads = None
     if feature == "backward":
-        grads = torch.autograd.grad(out, (q, k, v), torch.from_numpy(cot).transpose(1, 2))
-    d = lambda x: None if x is None else x.detach().double()  # noqa: E731
+        grads = torch.autograd.grad(out, (q, k, v), torch.from_numpy(cot).to(dev).transpose(1, 2))
+    d = lambda x: None if x is None else x.detach().double().cpu()  # noqa: E731
     return d(out), d(lse), None, None if grads is None else [d(g) for g in grads]
 
 
@@ -215,7 +226,7 @@ def test_declared_features_compute_and_others_raise(impl, launcher, feature, mon
         impl_cls = AttentionRegistry.get(impl)
         signature = _signature(*arrays, call, feature, platform, backend)
         if launcher == "torch_native":  # the launcher's own rules: the kernels', not jax-triton's
-            reasons = native_reasons(signature, torch.device("cpu"))
+            reasons = native_reasons(signature, torch.device(TORCH_DEVICE))
         else:
             reasons = impl_cls.not_supported_reasons(signature, md)
         declared = feature in impl_cls.capabilities.features

@@ -74,6 +74,7 @@ def _say(test, **figures):
 
 
 # _math: torch SDPA on its math backend; _naive: attention from plain torch ops in the inputs' dtype.
+from attention_reference import decode_visibility  # noqa: E402
 from test_gpu import _math, _naive  # noqa: E402
 
 
@@ -93,14 +94,11 @@ def _refs_and_tols(inputs, dout=None, **kw):
     return refs, [2 * w + FLOOR for w in worst]
 
 
-def _decode_mask(lengths, s):
-    """(B, 1, 1, S) bool: the single query of sequence b sees cache positions [0, lengths[b])."""
-    return (torch.arange(s, device=lengths.device)[None, :] < lengths[:, None].long())[:, None, None, :]
-
-
 def _decode_refs_and_tols(q, k_cache, v_cache, lengths):
     kk, vv = (x.transpose(1, 2) for x in (k_cache, v_cache))  # BSHD -> BHSD
-    return _refs_and_tols([q, kk, vv], attn_mask=_decode_mask(lengths, k_cache.shape[1]), enable_gqa=True)
+    # the single query of sequence b sees cache positions [0, lengths[b])
+    mask = decode_visibility(lengths, None, 1, k_cache.shape[1])
+    return _refs_and_tols([q, kk, vv], attn_mask=mask, enable_gqa=True)
 
 
 def _errors(outs, refs, tols):
