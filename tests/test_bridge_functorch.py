@@ -12,15 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jaxattn.bridge import jax_op
 from jaxattn.torch_api import scaled_dot_product_attention
-
-
-@jax_op(name="tests.test_bridge_functorch.scaled_tanh")
-def scaled_tanh(x, w, *, alpha):
-    return jnp.tanh(alpha * x) * w
-
-
-def scaled_tanh_torch(x, w, *, alpha):
-    return torch.tanh(alpha * x) * w
+from test_bridge import scaled_tanh, scaled_tanh_torch  # the bridge tests' op and its torch twin
 
 
 @jax_op(name="tests.test_bridge_functorch.mix", num_outputs=2)
