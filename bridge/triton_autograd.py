@@ -58,7 +58,7 @@ def _json(value: Any) -> str:
 
 
 #: Tensor inputs a TritonOp may take (its spec says how many: `spec.num_inputs`).
-MAX_INPUTS = 8
+MAX_INPUTS = 12
 
 
 class SpecCodec:
@@ -147,10 +147,12 @@ class TritonOp:
         # not), MAX_INPUTS of them, the unused ones None.
         def fwd_body(t0: Optional[torch.Tensor], t1: Optional[torch.Tensor], t2: Optional[torch.Tensor],
                      t3: Optional[torch.Tensor], t4: Optional[torch.Tensor], t5: Optional[torch.Tensor],
-                     t6: Optional[torch.Tensor], t7: Optional[torch.Tensor], spec: str) -> List[torch.Tensor]:
+                     t6: Optional[torch.Tensor], t7: Optional[torch.Tensor], t8: Optional[torch.Tensor],
+                     t9: Optional[torch.Tensor], t10: Optional[torch.Tensor], t11: Optional[torch.Tensor],
+                     spec: str) -> List[torch.Tensor]:
             with wrapped_launches():
                 decoded = codec.decode(spec)
-                return list(forward(decoded, *_trim((t0, t1, t2, t3, t4, t5, t6, t7), decoded)))
+                return list(forward(decoded, *_trim((t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11), decoded)))
 
         def bwd_body(inputs: List[Optional[torch.Tensor]], outputs: List[torch.Tensor],
                      grads: List[Optional[torch.Tensor]], needs: List[bool], spec: str) -> List[torch.Tensor]:

@@ -63,10 +63,9 @@ TORCH_INEXPRESSIBLE = {"weights": "the torch API returns no attention weights"}
 #: call: torch_api/flash.py asks `native_config` only without segment ids and cu_seqlens, so under
 #: sdpa_launcher("native") such a call falls through to the XLA bridge instead of running the
 #: kernels or raising as `sdpa_launcher` documents (here on CPU: "no flash kernel on cpu").
-KNOWN_GAPS = {
-    ("flash", "torch_native", "segment_ids"): "native launcher: segment ids fall through to the XLA bridge",
-    ("flash", "torch_native", "varlen"): "native launcher: cu_seqlens fall through to the XLA bridge",
-}
+#: (implementation, launcher, feature) cells that fail today, each with its reason (strict xfails:
+#: a cell that starts passing must leave this table).
+KNOWN_GAPS: dict = {}
 
 
 def test_the_matrix_covers_every_registered_implementation():

@@ -125,6 +125,38 @@ def test_segment_tables_spans():
     np.testing.assert_array_equal(seg_q[0, 1:], [[0, 0], [0, 3], [1, 1]])
 
 
+def _spans_by_rule(ids, other):
+    """Plain-Python spans: per id, [lo, hi) of its positions in `other`, and whether they fill it."""
+    n, rows = len(other), []
+    for i in ids:
+        if not 0 <= i < n:
+            rows.append((i, 0, n, 0))
+            continue
+        where = [j for j, o in enumerate(other) if o == i]
+        lo, hi = (where[0], where[-1] + 1) if where else (0, 0)
+        rows.append((i, lo, hi, int(len(where) == hi - lo)))
+    return np.array(rows, dtype=np.int32).T
+
+
+@pytest.mark.parametrize("b,l,s", [(2, 97, 300), (3, 300, 41), (1, 1, 1)])
+def test_segment_table_kernel_reads_strided_ids(b, l, s):
+    """The torch launcher's entry (runtime sizes and strides) on non-contiguous int64 ids, against
+    the rule written out in Python."""
+    from jaxattn.jax_core.kernels.segment_table_triton import (segment_table_entry_dynamic, segment_table_launch,
+                                                               segment_table_shapes)
+
+    gen = torch.Generator().manual_seed(b * 1000 + l + s)
+    q_ids = torch.randint(-1, 5, (b, 2 * l), generator=gen)[:, ::2].sort(dim=1).values
+    kv_ids = torch.randint(-2, 7, (s, b), generator=gen).t()  # column-major: strides (1, b)
+    tables = [torch.full(shape, -7, dtype=torch.int32) for shape in segment_table_shapes(b, l, s)]
+    grid, _, args = segment_table_launch(b, l, s, q_ids.stride(), kv_ids.stride())
+    segment_table_entry_dynamic[grid](q_ids, kv_ids, *tables, **args)
+    for row in range(b):
+        qi, ki = q_ids[row].tolist(), kv_ids[row].tolist()
+        np.testing.assert_array_equal(tables[0][row].numpy(), _spans_by_rule(qi, ki))
+        np.testing.assert_array_equal(tables[1][row].numpy(), _spans_by_rule(ki, qi))
+
+
 # --------------------------------------------------------------------------------------------- varlen
 
 def _varlen_case(gen, lens_q, lens_k, tail_q, tail_k, Hq=4, Hk=2, D=24, Dv=16):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import jax_triton_interpret  # noqa: E402
-from attention_reference import assert_close_finite, reference  # noqa: E402
+from attention_reference import assert_close_finite, reference, reference_grads  # noqa: E402
 
 from jaxattn.bridge import cache_info  # noqa: E402
 from jaxattn.bridge.triton_launch import can_launch  # noqa: E402
@@ -143,6 +143,52 @@ def test_flash_attention_native_matches_reference(case):
         assert_close_finite("grad sinks", sinks.grad.double().cpu(), s64.grad, TOL)
 
 
+def _packed_case(gen, case):
+    """Inputs, `flash_attention` options and reference keywords of a segment-ids or varlen case."""
+    if case.startswith("segments"):
+        b, hq, hk, l, s, d = 2, 4, 2, 37, 45, 24
+        q, k, v = _leaves(_randn(gen, b, hq, l, d, transposed=True), _randn(gen, b, hk, s, d), _randn(gen, b, hk, s, d))
+        q_ids = torch.randint(0, 4, (b, l), generator=gen).sort(dim=1).values.to(DEVICE)
+        kv_ids = torch.randint(0, 4, (b, s), generator=gen).to(DEVICE)  # unsorted: spans are not runs
+        kv_ids[0, 5] = 9  # an id beyond S's range on one side only
+        causal = case == "segments-causal"
+        opts = dict(segment_ids=(q_ids, kv_ids), causal=causal, causal_alignment="bottom_right")
+        return (q, k, v), opts, dict(causal=causal, alignment="bottom_right", segment_ids=(q_ids.cpu(), kv_ids.cpu()))
+    lens_q, lens_k = (5, 17, 9), (7, 20, 3)
+    cu_q = torch.tensor((0, 5, 22, 31), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor((0, 7, 27, 30), dtype=torch.int32, device=DEVICE)
+    assert sum(lens_q) == 31 and sum(lens_k) == 30
+    hq, hk, d = 4, 2, 16
+    # 3 padding rows after the last query sequence, 2 after the last key sequence
+    q, k, v = _leaves(_randn(gen, 34, hq, d), _randn(gen, 32, hk, d), _randn(gen, 32, hk, d))
+    opts = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, causal_alignment="bottom_right", window=(6, 0),
+                return_lse=True)
+    return (q, k, v), opts, dict(causal=True, alignment="bottom_right", window=(6, 0), cu_seqlens=(cu_q.cpu(), cu_k.cpu()))
+
+
+@pytest.mark.parametrize("case", ["segments", "segments-causal", "varlen"])
+def test_packed_calls_run_natively(case):
+    """Segment ids and varlen offsets run by the native launcher (segment tables from the
+    segment-table kernel), output, LSE and gradients against the float64 reference."""
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    (q, k, v), opts, ref_kw = _packed_case(gen, case)
+    before = cache_info()
+    with sdpa_launcher("native"):
+        result = flash_attention(q, k, v, **opts)
+    out, lse = result if opts.get("return_lse") else (result, None)
+    cot = torch.randn(out.shape, generator=gen).to(DEVICE)
+    (out * cot).sum().backward()
+    assert cache_info() == before, "an XLA executable ran for a native call"
+    varlen = "cu_seqlens" in ref_kw
+    as_bhtd = (lambda t: t.detach().cpu()[None].transpose(1, 2)) if varlen else (lambda t: t.detach().cpu())
+    ref, ref_lse, grads = reference_grads(*(as_bhtd(t) for t in (q, k, v)), as_bhtd(cot).double(), **ref_kw)
+    assert_close_finite("out", as_bhtd(out).double(), ref, TOL)
+    if lse is not None:
+        assert_close_finite("lse", lse.detach().double().cpu(), ref_lse[0], TOL)
+    for name, got, want in zip("qkv", (q, k, v), grads):
+        assert_close_finite(f"grad {name}", as_bhtd(got.grad).double(), want, TOL)
+
+
 def test_dropout_uses_the_kernels_keep_mask_and_torch_rng():
     """Output and gradients equal the float64 computation with the kernels' own keep mask; the
     same torch seed gives the same result, another seed another one."""
@@ -229,6 +275,41 @@ def test_launchers_bit_identical(case, entries, monkeypatch):
         assert same(t.grad, g), f"grad {name} differs"
     if bias is not None:
         np.testing.assert_allclose(tb.grad.cpu().numpy(), np.asarray(grads[3]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["segments", "varlen"])
+def test_launchers_bit_identical_on_packed_calls(case):
+    """Segment ids (tables from the segment-table kernel on both sides) and varlen offsets: the two
+    launchers give the same bits, outputs, LSE and gradients (static entries)."""
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    hq, hk, d = 4, 2, 16
+    if case == "segments":
+        b, l, s = 2, 40, 52
+        ids = (torch.randint(0, 3, (b, l), generator=gen).sort(dim=1).values, torch.randint(0, 3, (b, s), generator=gen))
+        cfg, cu = FlashConfig(scale=d ** -0.5, causal=True, diag_offset=s - l), None
+    else:
+        b, l, s, ids = 1, 30, 36, None
+        cu = (torch.tensor([0, 11, 27], dtype=torch.int32), torch.tensor([0, 20, 33], dtype=torch.int32))
+        cfg = FlashConfig(scale=d ** -0.5, causal=True, varlen=(16, 20), varlen_bottom_right=True)
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((b, hq, l, d), (b, hk, s, d), (b, hk, s, d)))
+    cot = torch.randn(b, hq, l, d, generator=gen)
+    tq, tk, tv = _leaves(*(x.to(DEVICE) for x in (q, k, v)))
+    moved = lambda pair: None if pair is None else tuple(t.to(DEVICE) for t in pair)  # noqa: E731
+    out, lse = flash_forward(tq, tk, tv, cfg, segment_ids=moved(ids), cu_seqlens=moved(cu))
+    (out * cot.to(DEVICE)).sum().backward()
+    j = lambda t: jnp.asarray(t.numpy())  # noqa: E731
+    extras = fj.FlashExtras(segment_ids=None if ids is None else tuple(map(j, ids)),
+                            cu_seqlens=None if cu is None else tuple(map(j, cu)))
+
+    def loss(q, k, v):
+        o, lse_ = fj.flash_attention_triton(q, k, v, None, None, None, extras, cfg)
+        return jnp.sum(o * j(cot)), (o, lse_)
+
+    grads, (jout, jlse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(j(q), j(k), j(v))
+    same = lambda t, a: np.array_equal(t.detach().cpu().numpy(), np.asarray(a))  # noqa: E731
+    assert same(out, jout) and same(lse, jlse)
+    for name, t, g in zip(("q", "k", "v"), (tq, tk, tv), grads):
+        assert same(t.grad, g), f"grad {name} differs"
 
 
 def test_native_refuses_what_it_cannot_run():

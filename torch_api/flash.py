@@ -341,13 +341,20 @@ def flash_attention(
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=q.device)
-    if not varlen and q_ids is None:
-        native = native_config(tuple(q.shape), tuple(k.shape), v.shape[3], q.dtype, q.device, choice, causal=causal,
-                               bottom_right=causal_alignment == "bottom_right", window=window, softcap=softcap,
-                               sinks=sinks is not None, dropout_p=dropout_p, lse=return_lse, scale=scale)
-        if native is not None:
-            out, lse = flash_forward(q, k, v, native, sinks=sinks, seed=seed)
-            return (out, lse) if return_lse else out
+    # Packed (total, H, E) tensors are (1, H, total, E) views for the kernels.
+    nq, nk, nv = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)) if varlen else (q, k, v)
+    native = native_config(tuple(nq.shape), tuple(nk.shape), nv.shape[3], q.dtype, q.device, choice, causal=causal,
+                           bottom_right=causal_alignment == "bottom_right", window=window, softcap=softcap,
+                           sinks=sinks is not None, dropout_p=dropout_p, lse=return_lse, scale=scale,
+                           segments=q_ids is not None,
+                           varlen=(max_seqlen or (q.shape[0], k.shape[0])) if varlen else None)
+    if native is not None:
+        out, lse = flash_forward(nq, nk, nv, native, sinks=sinks, seed=seed,
+                                 segment_ids=None if q_ids is None else (q_ids, q_ids if kv_ids is None else kv_ids),
+                                 cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else None)
+        if varlen:  # (1, Hq, total_q, Ev) view of (1, total_q, Hq, Ev) memory -> (total_q, Hq, Ev)
+            out, lse = out.transpose(1, 2)[0], lse[0]
+        return (out, lse) if return_lse else out
     static = dict(
         causal=bool(causal), causal_alignment=causal_alignment, window=window,
         softcap=None if softcap is None else float(softcap), scale=None if scale is None else float(scale),

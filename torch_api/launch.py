@@ -143,20 +143,24 @@ def _xla_choice(inputs: AttentionInputs) -> Optional[str]:
 def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, device: torch.device, choice, *,
                   causal: bool = False, bottom_right: bool = False, window: Optional[tuple[int, int]] = None,
                   softcap: Optional[float] = None, sinks: bool = False, mask: Optional[torch.dtype] = None,
-                  dropout_p: float = 0.0, lse: bool = False, scale: Optional[float] = None) -> Optional[FlashConfig]:
+                  dropout_p: float = 0.0, lse: bool = False, scale: Optional[float] = None, segments: bool = False,
+                  varlen: Optional[tuple[int, int]] = None) -> Optional[FlashConfig]:
     """The flash kernels' settings when the native launcher runs a (B, Hq, L, E) / (B, Hk, S, E) call,
     else None (the XLA bridge runs it).
 
     Args:
         bottom_right: causal / window aligned bottom-right (diagonal offset S - L).
         mask: None, or the dtype of the call's mask (bool: a bool mask; else an additive bias).
+        segments: the call has segment ids.
+        varlen: (max_seqlen_q, max_seqlen_k) of a packed (varlen) call, else None; q_shape and
+            k_shape are then (1, H, total, D).
         Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
     """
     l, s = q_shape[2], k_shape[2]
     # A decoding call's settings do not depend on its key length (a new one each step of a
     # growing cache): memoized without it.
     memo = None
-    if l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right:
+    if l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments and varlen is None:
         memo = (tuple(q_shape), tuple(k_shape[:2]), k_shape[3], value_head_dim, dtype, device, choice,
                 current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, causal, window, softcap, sinks, mask,
                 dropout_p, lse, scale)
@@ -164,7 +168,7 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
             return _DECODE_CONFIGS[memo]
     config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, causal=causal,
                             bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks, mask=mask,
-                            dropout_p=dropout_p, lse=lse, scale=scale)
+                            dropout_p=dropout_p, lse=lse, scale=scale, segments=segments, varlen=varlen)
     if memo is not None:
         if len(_DECODE_CONFIGS) >= 1024:
             _DECODE_CONFIGS.clear()
@@ -176,9 +180,10 @@ _DECODE_CONFIGS: dict = {}
 
 
 def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, causal, bottom_right, window, softcap,
-                   sinks, mask, dropout_p, lse, scale) -> Optional[FlashConfig]:
+                   sinks, mask, dropout_p, lse, scale, segments, varlen) -> Optional[FlashConfig]:
     l, s = q_shape[2], k_shape[2]
-    shifted = bottom_right and l != s
+    # Packed sequences align per sequence (the kernels' VARLEN_BOTTOM_RIGHT), never by S - L.
+    shifted = bottom_right and (l != s or varlen is not None)
     features = set()
     if causal:
         features.add("causal_bottom_right" if shifted else "causal")
@@ -187,14 +192,16 @@ def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, c
     if mask is not None:
         features.add("bool_mask" if mask == torch.bool else "bias")
     for name, on in (("sliding_window", window is not None), ("softcap", softcap is not None), ("sinks", sinks),
-                     ("dropout", dropout_p > 0), ("lse", lse)):
+                     ("dropout", dropout_p > 0), ("lse", lse), ("segment_ids", segments), ("varlen", varlen is not None)):
         if on:
             features.add(name)
     if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
         return None
     return FlashConfig(
         scale=float(scale) if scale is not None else q_shape[3] ** -0.5, causal=bool(causal),
-        diag_offset=s - l if bottom_right else 0, window=tuple(window) if window is not None else (-1, -1),
+        diag_offset=s - l if bottom_right and varlen is None else 0,
+        window=tuple(window) if window is not None else (-1, -1),
         softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
-        fast_tanh=device.type == "cuda",
+        varlen=None if varlen is None else (int(varlen[0]), int(varlen[1])),
+        varlen_bottom_right=bool(bottom_right) and varlen is not None, fast_tanh=device.type == "cuda",
     )

@@ -25,6 +25,8 @@ from ..jax_core.kernels.flash_plan import FlashConfig, Operand
 
 try:
     from ..jax_core.kernels import flash_entries_triton as entries_triton
+    from ..jax_core.kernels.segment_table_triton import (segment_table_entry_dynamic, segment_table_entry_static,
+                                                         segment_table_launch, segment_table_shapes)
     from ..jax_core.kernels.skip_table_triton import (skip_table_entry_dynamic, skip_table_entry_static,
                                                       skip_table_launch, skip_table_shape)
 except ImportError:  # no triton: `launch.can_launch` is False and nothing below is launched
@@ -37,7 +39,8 @@ _BWD_INPUTS = ("Q", "K", "V", "Bias", "Mask", "dOut", "Lse", "Delta", "SegQ", "S
 _ENTRIES = {} if entries_triton is None else {
     flavour: dict(fwd=getattr(entries_triton, f"fwd_entry_{flavour}"), delta=getattr(entries_triton, f"delta_entry_{flavour}"),
                   dkdv=getattr(entries_triton, f"dkdv_entry_{flavour}"), dq=getattr(entries_triton, f"dq_entry_{flavour}"),
-                  skip=skip_table_entry_dynamic if flavour == "dynamic" else skip_table_entry_static)
+                  skip=skip_table_entry_dynamic if flavour == "dynamic" else skip_table_entry_static,
+                  segments=segment_table_entry_dynamic if flavour == "dynamic" else segment_table_entry_static)
     for flavour in ("static", "dynamic")
 }
 
@@ -47,7 +50,7 @@ class NativeFlashSpec:
     """Everything static about a native flash call besides the tensors' shapes and strides."""
 
     cfg: FlashConfig
-    num_inputs: int = 7  # q, k, v, bias, mask, sinks, seed
+    num_inputs: int = 7  # q, k, v, bias, mask, sinks, seed; 11 with q_ids, kv_ids, cu_q, cu_k (`PACKED_INPUTS`)
 
     def __hash__(self) -> int:
         # Part of every launch-cache key: hashing FlashConfig's fields on each call costs more than
@@ -69,10 +72,16 @@ def _operand(t: torch.Tensor) -> Operand:
     return Operand(shape, tuple(0 if n == 1 else st for n, st in zip(shape, stride)))
 
 
-def _call(q, k, v, bias, mask, sinks) -> plan.FlashCall:
+#: Inputs of a call with segment ids or varlen offsets: the 7 of every call, then q_ids, kv_ids, cu_q, cu_k.
+PACKED_INPUTS = 11
+
+
+def _call(q, k, v, bias, mask, sinks, packed=(None, None, None, None)) -> plan.FlashCall:
+    q_ids, _, cu_q, _ = packed
     return plan.FlashCall(
         q=_operand(q), k=_operand(k), v=_operand(v), bias=None if bias is None else _operand(bias),
         mask=None if mask is None else _operand(mask), dtype_bytes=q.element_size(), has_sinks=sinks is not None,
+        has_segments=q_ids is not None, num_seqs=None if cu_q is None else int(cu_q.shape[0]) - 1,
     )
 
 
@@ -105,30 +114,37 @@ def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:
     return tuple(0 if n == 1 else st for n, st in zip((b, hq, l, dv), full))
 
 
-def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_strides=None, write_ds: bool = False) -> dict:
-    """The forward's launches, or with `do_strides` (dOut's) the backward's; cached per signature."""
+def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_strides=None, write_ds: bool = False,
+              packed=(None, None, None, None)) -> dict:
+    """The forward's launches, or with `do_strides` (dOut's) the backward's; cached per signature.
+
+    packed: (q_ids (B, L), kv_ids (B, S), cu_q (N + 1,), cu_k (N + 1,)), None where absent.
+    """
     entries = _entries(q.shape[2])
     if traced():  # symbolic sizes are not hashable, and a traced call plans once anyway
-        return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds)
+        return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds, packed)
     key = (spec, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(), _key(bias),
-           _key(mask), sinks is not None, seed is not None, do_strides, write_ds, entries["fwd"])
+           _key(mask), sinks is not None, seed is not None, do_strides, write_ds, entries["fwd"],
+           *(_key(t) for t in packed))
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
     # A forward of the shape-dynamic entries that differs from a planned one only in the keys'
     # length and strides (a decoding step on a grown cache) is that launch with `key_args` replaced.
     sibling_key = None
-    if do_strides is None and entries is _ENTRIES["dynamic"] and bias is None and mask is None:
+    if (do_strides is None and entries is _ENTRIES["dynamic"] and bias is None and mask is None
+            and packed == (None, None, None, None)):
         sibling_key = (spec, q.shape, q.stride(), q.dtype, q.device, k.shape[:2], k.shape[3:], v.shape[3:],
                        k.shape[2] == 1, sinks is not None, seed is not None)
         sibling = _FOLLOWS_KEYS.get(sibling_key)
         if sibling is not None:
-            found = dict(skip=None, fwd=sibling["fwd"].rebind(**plan.key_args(_operand(k), _operand(v))))
+            found = dict(skip=None, segments=None,
+                         fwd=sibling["fwd"].rebind(**plan.key_args(_operand(k), _operand(v))))
     if len(_LAUNCHES) >= _MAX_LAUNCHES:
         _LAUNCHES.clear()
         _FOLLOWS_KEYS.clear()
     if found is None:
-        found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds)
+        found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds, packed)
         if sibling_key is not None and plan.forward_follows_keys(_call(q, k, v, bias, mask, sinks), spec.cfg):
             _FOLLOWS_KEYS[sibling_key] = found
     _LAUNCHES[key] = found
@@ -141,20 +157,21 @@ _PLACEHOLDER_DTYPES = dict(Bias=None, Mask=torch.int8, Sinks=torch.float32, SegQ
 
 
 def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, sinks, seed, do_strides,
-                   write_ds: bool) -> dict:
+                   write_ds: bool, packed) -> dict:
     """Plans the forward's launches (`do_strides` None: skip tables, forward) or the backward's (skip
     tables, Delta, dK/dV, dQ): a call without gradients never plans a backward.
 
     Tensors a call does not have (features switched off) are fixed placeholders of each launch; the
     launches take the others in their kernel order (see `_given`).
     """
-    call, cfg = _call(q, k, v, bias, mask, sinks), spec.cfg
+    call, cfg = _call(q, k, v, bias, mask, sinks, packed), spec.cfg
     out_strides = _out_strides(q, v.shape[3])
     b, hq, l, _ = call.q.dims
     dv = call.v.dims[3]
     # dOut has Out's sizes; its strides are the gradient's own (read in place).
     skip = _skip_plans(call, cfg, entries)  # the tables are contiguous, written by the skip-table kernel
-    absent = {"SegQ", "SegK", "CuQ", "CuK"}  # segments and varlen stay on the XLA bridge
+    q_ids, kv_ids, cu_q, _ = packed
+    absent = (set() if q_ids is not None else {"SegQ", "SegK"}) | (set() if cu_q is not None else {"CuQ", "CuK"})
     absent |= {name for name, t in (("Bias", bias), ("Mask", mask), ("Sinks", sinks), ("Seed", seed)) if t is None}
     absent |= set() if skip else {"Vis"}
     absent |= set() if write_ds else {"dS"}
@@ -164,14 +181,19 @@ def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, si
         return KernelLaunch(kernel, planned.grid, planned.num_warps, planned.num_stages,
                             [n for n in names if n not in absent], planned.args, fixed)
 
+    segments = None
+    if q_ids is not None:  # the tables are written by the segment-table kernel (contiguous)
+        grid, warps, args = segment_table_launch(b, l, call.k.dims[2], q_ids.stride(), kv_ids.stride())
+        segments = KernelLaunch(entries["segments"], grid, warps, 1, ("QIds", "KIds", "SegQ", "SegK", "Scratch"),
+                                args)
     if do_strides is None:
-        return dict(skip=skip, fwd=launch(entries["fwd"], plan.forward_launch(call, cfg, out_strides,
+        return dict(skip=skip, segments=segments, fwd=launch(entries["fwd"], plan.forward_launch(call, cfg, out_strides,
                                                                              skip and skip["fwd"][1]), _FWD_TENSORS))
     do_strides = tuple(0 if n == 1 else int(st) for n, st in zip((b, hq, l, dv), do_strides))
     # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
     dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
     return dict(
-        skip=skip,
+        skip=skip, segments=segments,
         delta=launch(entries["delta"], plan.delta_launch(Operand((b, hq, l, dv), out_strides), do_strides),
                      ("Out", "dOut", "Delta")),
         dkdv=launch(entries["dkdv"], plan.dkdv_launch(call, cfg, do_strides, dk_strides, dv_strides,
@@ -227,14 +249,31 @@ def _out_buffer(q: torch.Tensor, dv: int) -> torch.Tensor:
     return torch.empty_strided((b, hq, l, dv), (l * hq * dv, dv, hq * dv, 1), dtype=q.dtype, device=q.device)
 
 
-def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, launches: Optional[dict] = None):
-    out = _out_buffer(q, v.shape[3])
+def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, q_ids=None, kv_ids=None, cu_q=None, cu_k=None,
+             launches: Optional[dict] = None):
+    """(out, lse), then with segment ids the segment tables (residuals the backward reads)."""
+    packed = (q_ids, kv_ids, cu_q, cu_k)
     if launches is None:
-        launches = _launches(spec, q, k, v, bias, mask, sinks, seed)
+        launches = _launches(spec, q, k, v, bias, mask, sinks, seed, packed=packed)
+    out = _out_buffer(q, v.shape[3])
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if cu_q is not None:  # rows after the last packed sequence belong to no program: 0, LSE -inf
+        out.zero_()
+        lse.fill_(float("-inf"))
+    tables = _segment_tables(launches["segments"], q_ids, kv_ids, q.shape[2], k.shape[2])
     table = _skip_table(launches["skip"], "fwd", bias, mask, q.device)
-    launches["fwd"](*_given(q, k, v, bias, mask, sinks, seed, table, out, lse))
-    return out, lse
+    launches["fwd"](*_given(q, k, v, bias, mask, sinks, *tables, cu_q, cu_k, seed, table, out, lse))
+    return (out, lse, *tables)
+
+
+def _segment_tables(launch: Optional[KernelLaunch], q_ids, kv_ids, l: int, s: int) -> tuple:
+    """(SegQ, SegK) int32 tables of the segment ids (`segment_table_triton`), () without them."""
+    if launch is None:
+        return ()
+    seg_q, seg_k, scratch = (torch.empty(shape, dtype=torch.int32, device=q_ids.device)
+                             for shape in segment_table_shapes(q_ids.shape[0], l, s))
+    launch(q_ids, kv_ids, seg_q, seg_k, scratch)
+    return seg_q, seg_k
 
 
 def _grad_like(grad: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -243,25 +282,30 @@ def _grad_like(grad: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs, launches: Optional[dict] = None):
-    q, k, v, bias, mask, sinks, seed = inputs
-    out, lse = outputs
+    q, k, v, bias, mask, sinks, seed, *packed = inputs
+    packed = tuple(packed) or (None, None, None, None)
+    out, lse, *tables = outputs
+    cu_q, cu_k = packed[2:]
     dout = _grad_like(grads[0], out)
     write_ds = bool(needs[3])
     if launches is None:
-        launches = _launches(spec, q, k, v, bias, mask, sinks, seed, dout.stride(), write_ds)
+        launches = _launches(spec, q, k, v, bias, mask, sinks, seed, dout.stride(), write_ds, packed)
     dev = q.device
     delta = torch.empty_like(lse)
     launches["delta"](out, dout, delta)
     if len(grads) > 1 and grads[1] is not None:  # d lse / d logit = P: folds into Delta
         delta = delta - grads[1]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # With varlen, rows and keys after the last packed sequence belong to no program: their
+    # gradients are 0.
+    alloc = torch.zeros_like if cu_q is not None else torch.empty_like
+    dq, dk, dv = alloc(q), alloc(k), alloc(v)
     b, hq, l, _ = q.shape
     ds = torch.empty((b, hq, l, k.shape[2]), dtype=torch.float32, device=dev) if write_ds else None
     skip = launches["skip"]
-    launches["dkdv"](*_given(q, k, v, bias, mask, dout, lse, delta, seed, _skip_table(skip, "dkdv", bias, mask, dev),
-                             dk, dv))
-    launches["dq"](*_given(q, k, v, bias, mask, dout, lse, delta, seed, _skip_table(skip, "dq", bias, mask, dev),
-                           dq, ds))
+    launches["dkdv"](*_given(q, k, v, bias, mask, dout, lse, delta, *tables, cu_q, cu_k, seed,
+                             _skip_table(skip, "dkdv", bias, mask, dev), dk, dv))
+    launches["dq"](*_given(q, k, v, bias, mask, dout, lse, delta, *tables, cu_q, cu_k, seed,
+                           _skip_table(skip, "dq", bias, mask, dev), dq, ds))
     grads_in = {0: dq, 1: dk, 2: dv}
     if write_ds:
         grads_in[3] = _reduce_to(ds, bias).to(bias.dtype)
@@ -294,17 +338,24 @@ def narrow(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, *,
                   bias: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
                   sinks: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
+                  segment_ids: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                  cu_seqlens: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash attention by the native launcher; differentiable in q, k, v, bias and sinks.
 
     Args:
         q: (B, Hq, L, D), k: (B, Hk, S, D), v: (B, Hk, S, Dv): any strides (a (B, L, H, D) tensor
-            transposed is read in place).
-        cfg: the kernels' settings (`cfg.layout` is not used: tensors are (B, H, T, D) views).
+            transposed is read in place). With `cu_seqlens`, B = 1 and L / S are the packed lengths.
+        cfg: the kernels' settings (`cfg.layout` is not used: tensors are (B, H, T, D) views;
+            `cfg.varlen` is set exactly when `cu_seqlens` is given).
         bias: None or float (B|1, Hq|1, L|1, S|1) of q's dtype, added to the logits.
         mask: None or bool/int8 (B|1, Hq|1, L|1, S|1), True = attend.
         sinks: None or float (Hq,) or (Hq, n) sink logits (n per head merge by log-sum-exp).
         seed: (2,) int32 Philox seed, needed when cfg.dropout_p > 0.
+        segment_ids: None or integer (q_ids (B, L), kv_ids (B, S)): query i sees key j only where
+            their ids are equal.
+        cu_seqlens: None or int32 (cu_q (N + 1,), cu_k (N + 1,)) offsets of N sequences packed
+            back to back; rows and keys after the last sequence get 0 (LSE -inf, gradients 0).
 
     Returns:
         out (B, Hq, L, Dv) of q's dtype (a view of (B, L, Hq, Dv) memory), lse (B, Hq, L) float32.
@@ -315,7 +366,14 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
         # Same bytes, read as int8 by the kernels; Inductor cannot lower a bool->int8 view, so a
         # traced call converts (fused into the mask's producer).
         mask = mask.to(torch.int8) if torch.compiler.is_compiling() else mask.view(torch.int8)
-    return FLASH_OP(NativeFlashSpec(cfg), q, k, v, narrow(bias), narrow(mask), sinks, seed)
+    if (cfg.varlen is not None) != (cu_seqlens is not None):
+        raise ValueError(f"cfg.varlen={cfg.varlen!r} and cu_seqlens go together.")
+    if segment_ids is None and cu_seqlens is None:
+        return FLASH_OP(NativeFlashSpec(cfg), q, k, v, narrow(bias), narrow(mask), sinks, seed)
+    q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
+    cu_q, cu_k = (c.to(torch.int32) for c in cu_seqlens) if cu_seqlens is not None else (None, None)
+    return FLASH_OP(NativeFlashSpec(cfg, PACKED_INPUTS), q, k, v, narrow(bias), narrow(mask), sinks, seed,
+                    q_ids, kv_ids, cu_q, cu_k)
 
 
 class NativeFlash(PlannedCall):
@@ -360,14 +418,14 @@ class NativeFlash(PlannedCall):
                 return triton_program.forward_only(program, [q, k, v])[0]
             if grad:
                 return self.apply(q, k, v)[0]
-            out, lse = _forward(self.spec, q, k, v, None, None, None, None, self._launches)
+            out, lse = _forward(self.spec, q, k, v, None, None, None, None, launches=self._launches)
             if "forward" not in self._programs:
                 self._record_program("forward", q, lambda: self._program(q, k, v, out, lse, None))
             return out
         return flash_forward(q, k, v, self.cfg, bias=bias, mask=mask, seed=seed)[0]
 
     def forward(self, q, k, v):
-        out, lse = _forward(self.spec, q, k, v, None, None, None, None, self._launches)
+        out, lse = _forward(self.spec, q, k, v, None, None, None, None, launches=self._launches)
         return (out,), (q, k, v, out, lse)
 
     def backward(self, saved, grads):

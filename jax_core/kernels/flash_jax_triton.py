@@ -23,6 +23,7 @@ from .flash_entries_triton import (delta_entry_static, dkdv_entry_static, dq_ent
                                    fwd_entry_static)
 from .flash_plan import FlashConfig, Operand
 from .skip_table_jax import skip_table_jax
+from .segment_table_triton import segment_table_entry_static, segment_table_launch, segment_table_shapes
 
 __all__ = ["FlashConfig", "FlashExtras", "flash_attention_triton", "flash_block_forward", "flash_block_backward"]
 
@@ -175,37 +176,19 @@ def _placeholder(dtype=jnp.float32) -> jax.Array:
     return jnp.zeros((1,), dtype)
 
 
-def _spans(ids: jax.Array, other: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For each id in `ids` (B, L), the span [lo, hi) of positions in `other` (B, S) holding the same
-    id (lo = hi = 0 when absent) and whether those positions fill the span (a contiguous run).
-
-    O(L + S) scatters, no sort: ids in [0, S) index a table of first / last / count per id; an id
-    outside that range gets the whole span [0, S), not contiguous (conservative: the kernels then
-    compare ids element by element).
-    """
-    b, n = other.shape
-    rows = jnp.arange(b)[:, None]
-    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), other.shape)
-    slot = jnp.where((other >= 0) & (other < n), other, n)  # slot n collects out-of-range ids
-    first = jnp.full((b, n + 1), n, jnp.int32).at[rows, slot].min(pos)
-    last = jnp.full((b, n + 1), -1, jnp.int32).at[rows, slot].max(pos)
-    count = jnp.zeros((b, n + 1), jnp.int32).at[rows, slot].add(1)
-    in_range = (ids >= 0) & (ids < n)
-    idx = jnp.where(in_range, ids, n)
-    f, l_, c = (jnp.take_along_axis(t, idx, axis=1) for t in (first, last, count))
-    present = c > 0
-    lo = jnp.where(in_range, jnp.where(present, f, 0), 0)
-    hi = jnp.where(in_range, jnp.where(present, l_ + 1, 0), n)
-    contiguous = in_range & (c == hi - lo)
-    return lo.astype(jnp.int32), hi.astype(jnp.int32), contiguous.astype(jnp.int32)
-
-
 def segment_tables(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The kernels' segment tables, int32: SegQ (B, 4, L) = (ids, key span lo, key span hi, keys of
-    the span all share the id) and SegK (B, 4, S) = (ids, query span lo, query span hi, contiguous)."""
+    the span all share the id) and SegK (B, 4, S) = (ids, query span lo, query span hi, contiguous),
+    written by the segment-table kernel the torch launcher also runs (`segment_table_triton`)."""
     q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
-    seg_q = jnp.stack([q_ids, *_spans(q_ids, kv_ids)], axis=1)
-    seg_k = jnp.stack([kv_ids, *_spans(kv_ids, q_ids)], axis=1)
+    (b, l), s = q_ids.shape, kv_ids.shape[1]
+    shapes = segment_table_shapes(b, l, s)
+    grid, num_warps, args = segment_table_launch(b, l, s, (l, 1), (s, 1))
+    seg_q, seg_k, _ = jax_triton().triton_call(
+        q_ids, kv_ids, kernel=segment_table_entry_static,
+        out_shape=tuple(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes),
+        grid=grid, num_warps=num_warps, num_stages=1, **args,
+    )
     return seg_q, seg_k
 
 
