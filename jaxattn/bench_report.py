@@ -258,7 +258,7 @@ def _pivot(rows, groups, value, unit_note):
             else:
                 values.append(value(r) + (f" {MARK}" if r.get("unsteady") else ""))
         best = _best_ours(cell)
-        label = "n/a" if best is None else f"{best['impl']} {vs_torch_cell(best, "–")}" + (
+        label = "n/a" if best is None else f"{best['impl']} {vs_torch_cell(best, '–')}" + (
             f" {MARK}" if best.get("unsteady") else "")
         out.append(f"| {key[1]} | {SHORT_DTYPE.get(key[2], key[2])} | {key[3]} | {' | '.join(values)} | {label} |")
     return [unit_note + " median [min–max] over the repeats", ""] + out + [""]
