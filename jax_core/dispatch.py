@@ -66,12 +66,37 @@ def attention(
         ValueError: unknown or unusable forced implementation (with reasons), malformed inputs.
         NotImplementedError: automatic selection found no implementation (with every reason).
     """
+    inputs, metadata = call_inputs(
+        query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+        dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, metadata=metadata,
+        layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+    )
+    impl_cls = AttentionRegistry.select(inputs, metadata, implementation)
+    return _instance(impl_cls, metadata)(
+        query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+        dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, layout=layout,
+        segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+    )
+
+
+def call_inputs(query, key, value, *, bias=None, mask=None, causal: bool = False,
+                causal_alignment: CausalAlignment = "top_left", sliding_window=None, logits_soft_cap=None,
+                softmax_aux=None, dropout_rng=None, return_weights: bool = False, return_lse: bool = False,
+                metadata: Optional[AttentionMetadata] = None, layout: Layout = "BTHD", segment_ids=None,
+                cu_seqlens=None) -> tuple[AttentionInputs, AttentionMetadata]:
+    """The signature `attention` selects on, and the metadata with its platform and backend filled in.
+
+    The arrays may be `jax.ShapeDtypeStruct`s (only shapes and dtypes are read) when
+    `metadata.platform` is set.
+    """
     metadata = metadata if metadata is not None else AttentionMetadata()
     platform = metadata.platform or platform_of(query, key, value)
     backend = metadata.backend or backend_of(platform)
     metadata = metadata.replace(platform=platform, backend=backend)
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.ndim != 4:
+        if len(x.shape) != 4:
             raise ValueError(f"{name}: expected a 4-D ({layout}) array, got shape {tuple(x.shape)}.")
     q_, k_, v_ = query, key, value
     if layout == "BHTD":
@@ -83,10 +108,12 @@ def attention(
         return_weights=return_weights, return_lse=return_lse, segment_ids=segment_ids is not None,
         varlen=cu_seqlens is not None,
     )
-    impl_cls = AttentionRegistry.select(inputs, metadata, implementation)
-    return _instance(impl_cls, metadata)(
-        query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-        dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, layout=layout,
-        segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-    )
+    return inputs, metadata
+
+
+def explain_selection(query, key, value, *, implementation=None, **call) -> tuple[str, str]:
+    """(canonical name, reason) of the implementation `attention(query, key, value, implementation=...,
+    **call)` would run, by the same selection (`AttentionRegistry.select_with_reason`)."""
+    inputs, metadata = call_inputs(query, key, value, **call)
+    impl_cls, reason = AttentionRegistry.select_with_reason(inputs, metadata, implementation)
+    return impl_cls.canonical_name(), reason

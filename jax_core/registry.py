@@ -130,6 +130,17 @@ class AttentionRegistry:
                 is unknown.
             NotImplementedError: no candidate can run the call (with every candidate's reasons).
         """
+        return cls.select_with_reason(inputs, metadata, implementation)[0]
+
+    @classmethod
+    def select_with_reason(
+        cls,
+        inputs: AttentionInputs,
+        metadata: Optional[AttentionMetadata] = None,
+        implementation: Optional[str | tuple[str, ...]] = None,
+    ) -> tuple[type[AttentionImpl], str]:
+        """`select`'s choice and why it was made (the order tried, and why earlier candidates were
+        passed over); raises as `select`."""
         if isinstance(implementation, str):
             impl = cls.get(implementation)
             reasons = impl.not_supported_reasons(inputs, metadata)
@@ -137,23 +148,26 @@ class AttentionRegistry:
                 raise ImplementationUnavailableError(
                     f"implementation={implementation!r} cannot run this call: " + "; ".join(reasons) + "."
                 )
-            return impl
+            return impl, f"implementation={implementation!r} asked for by name"
         if implementation is None:
             mode = mode_for(inputs.q_len, inputs.kv_len)
             ring = sequence_parallel_first(metadata) if mode == "__train__" else ()
             ordered = (ring + MODE_PRIORITIES.get(mode, {}).get(inputs.platform, ())
                        + platform_order(inputs))
             names = [n for n in dict.fromkeys(ordered) if n in cls._impls]
+            why = f"automatic selection on {inputs.platform} ({inputs.backend}), order {names}"
         else:
             names = list(implementation)
             for name in names:
                 cls.get(name)
+            why = f"first of implementation={names} that can run the call"
         all_reasons = {}
         for name in names:
             impl = cls._impls[name]
             reasons = impl.not_supported_reasons(inputs, metadata)
             if not reasons:
-                return impl
+                passed = "".join(f"; {n} passed over: " + ", ".join(r) for n, r in all_reasons.items())
+                return impl, f"{why}: {name} is the first that can run it{passed}"
             all_reasons[name] = reasons
         detail = "\n".join(f"  {name}: " + "; ".join(r) for name, r in all_reasons.items())
         raise NotImplementedError(f"no attention implementation can run this call:\n{detail}")

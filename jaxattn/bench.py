@@ -11,7 +11,10 @@ through the torch API (`jaxattn.torch_api.scaled_dot_product_attention(implement
 A backend that cannot run a call is listed with its reason. Each (shape, dtype, mode) cell draws
 fresh random inputs shared by every implementation. Timing rules and FLOP/byte counting:
 `jaxattn.bench_timing`. Output: a table on stdout; bench.csv, bench.json, summary.md (Markdown
-tables) and PNG plots in --out. From Python, `run_bench(...)` returns the rows.
+tables) and PNG plots with error bars in --out (default ./jaxattn-bench). Every time and ratio is
+given with the spread of its repeats; rows whose repeats disagree too much to compare are marked
+and a closing warning says so (`jaxattn.bench_spread`). From Python, `run_bench(...)` returns the
+rows.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def preset(name: str, device_type: str) -> Preset:
             Case("decode", 2, 4, 2, 1, 512, 32, False, decode=True),
         )
         dtypes = ("bfloat16",) if device_type == "cuda" else ("float32",)
-        return Preset("quick", cases, dtypes, ("sweep",), repeats=3, target_s=0.002, max_score_gib=2.0)
+        return Preset("quick", cases, dtypes, ("sweep",), repeats=5, target_s=0.002, max_score_gib=2.0)
     if name == "full":
         cases = _sweep((512, 1024, 2048, 4096, 8192, 16384), 16384, 16, 128) + (
             Case("shape", 8, 16, 16, 2048, 2048, 128, False),
@@ -220,20 +223,20 @@ def _context(impl: str, mode: str):
 
 def _classify(impl: str, exc: BaseException, caught: list, device: str) -> tuple[str, str]:
     """(status, reason) for a failed measurement: "unsupported" when the backend declined the call."""
-    from .bench_report import REASON_CHARS, short_reason
+    from .bench_report import clip_reason, short_reason
     from .jax_core.registry import ImplementationUnavailableError
 
     text = " ".join(str(exc).split())
     if isinstance(exc, (ImplementationUnavailableError, NotImplementedError)):
-        return "unsupported", text[:REASON_CHARS]
+        return "unsupported", clip_reason(text)
     if impl in TORCH_BACKENDS and ("No available kernel" in text or "No viable backend" in text):
         notes = [n for n in (short_reason(w.message) for w in caught) if n]
         if device == "cpu" and impl in ("torch-efficient", "torch-cudnn"):
             notes.insert(0, "CUDA-only backend")
-        return "unsupported", ("; ".join(notes) or text)[:REASON_CHARS]
+        return "unsupported", clip_reason("; ".join(notes) or text)
     if "out of memory" in text.lower() or "RESOURCE_EXHAUSTED" in text:
         return "error", "out of memory"
-    return "error", f"{type(exc).__name__}: {text}"[:REASON_CHARS]
+    return "error", clip_reason(f"{type(exc).__name__}: {text}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,30 +255,82 @@ def _score_gib(case: Case) -> float:
     return case.batch * case.q_heads * case.q_len * case.kv_len * 4 / 2**30
 
 
-def _measure_row(run: _Run, impl: str, case: Case, dtype: str, mode: str, inputs) -> dict:
-    from .bench_report import metrics
-    from .bench_timing import Clock, measure
-
-    row = {"impl": impl, "family": "torch" if impl in TORCH_BACKENDS else "ours"}
+def _skip_reason(run: _Run, impl: str, case: Case) -> Optional[str]:
     if run.deadline is not None and time.perf_counter() > run.deadline:
-        return {**row, "status": "skipped", "reason": f"time budget reached (--max-minutes {run.max_minutes:g})"}
+        return f"time budget reached (--max-minutes {run.max_minutes:g})"
     if impl in MATERIALISING and _score_gib(case) > run.plan.max_score_gib:
-        return {**row, "status": "skipped", "reason": f"builds the {_score_gib(case):.1f} GiB score matrix "
-                f"(limit {run.plan.max_score_gib:g} GiB)"}
-    caught: list = []
-    try:
-        with warnings.catch_warnings(record=True) as caught, _context(impl, mode):
-            warnings.simplefilter("always")
-            timing = measure(_timed_fn(impl, case, mode, inputs), Clock(run.device), repeats=run.plan.repeats,
-                             target_s=run.plan.target_s)
-    except Exception as exc:  # a backend that cannot run this cell: recorded with its reason
-        status, reason = _classify(impl, exc, caught, run.device)
-        if run.device == "cuda":
-            import torch
+        return f"builds the {_score_gib(case):.1f} GiB score matrix (limit {run.plan.max_score_gib:g} GiB)"
+    return None
 
-            torch.cuda.empty_cache()
-        return {**row, "status": status, "reason": reason}
-    return {**row, "status": "ok", "reason": "", **metrics(case, dtype, mode, timing)}
+
+@contextlib.contextmanager
+def _calling(impl: str, mode: str, caught: list):
+    """The context of `impl`'s calls; the warnings they raise are appended to `caught` (for `_classify`)."""
+    with warnings.catch_warnings(record=True) as seen, _context(impl, mode):
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            caught.extend(seen)
+
+
+def _failed(run: _Run, row: dict, impl: str, exc: BaseException, caught: list) -> None:
+    status, reason = _classify(impl, exc, caught, run.device)
+    if run.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    row.update(status=status, reason=reason)
+
+
+def _measure_cell(run: _Run, impls: Sequence[str], case: Case, dtype: str, mode: str, inputs) -> list[dict]:
+    """One row per implementation of a cell.
+
+    Each implementation is first called, warmed up and calibrated on its own (`prepare`); then
+    `repeats` rounds run one timed loop of each, the order reversed every other round
+    (`round_orders`), so that round r of any two implementations ran back to back and their
+    per-round ratio is free of the host's drift between rounds (`jaxattn.bench_spread`).
+    """
+    from .bench_report import metrics
+    from .bench_timing import Clock, Timing, prepare, round_orders
+
+    clock = Clock(run.device)
+    rows = {impl: {"impl": impl, "family": "torch" if impl in TORCH_BACKENDS else "ours"} for impl in impls}
+    ready = {}  # impl -> (call, first call seconds, calls per loop)
+    for impl in impls:
+        skip = _skip_reason(run, impl, case)
+        if skip is not None:
+            rows[impl].update(status="skipped", reason=skip)
+            continue
+        caught: list = []
+        try:
+            with _calling(impl, mode, caught):
+                fn = _timed_fn(impl, case, mode, inputs)
+                ready[impl] = (fn, *prepare(fn, clock, target_s=run.plan.target_s))
+        except Exception as exc:  # a backend that cannot run this cell: recorded with its reason
+            _failed(run, rows[impl], impl, exc, caught)
+    per_call: dict[str, list[float]] = {impl: [] for impl in ready}
+    for order in round_orders(ready, run.plan.repeats):
+        for impl in order:
+            if impl not in per_call:  # failed in an earlier round
+                continue
+            fn, _, iters = ready[impl]
+            caught = []
+            try:
+                with _calling(impl, mode, caught):
+                    per_call[impl].append(clock.loop_seconds(fn, iters) / iters)
+            except Exception as exc:
+                _failed(run, rows[impl], impl, exc, caught)
+                del per_call[impl]
+    for impl, times in per_call.items():
+        timing = Timing.of_repeats(ready[impl][1], ready[impl][2], times)
+        rows[impl].update(status="ok", reason="", **metrics(case, dtype, mode, timing))
+    return [rows[impl] for impl in impls]
+
+
+def _measure_row(run: _Run, impl: str, case: Case, dtype: str, mode: str, inputs) -> dict:
+    """One implementation's row, timed alone."""
+    return _measure_cell(run, [impl], case, dtype, mode, inputs)[0]
 
 
 def _cells(plan: Preset, dtypes: Sequence[str], all_dtypes_everywhere: bool, modes: Sequence[str]):
@@ -306,7 +361,7 @@ def _start_runtimes(device: str) -> None:
 def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = None,
               dtypes: Optional[Sequence[str]] = None, fwd_only: bool = False, device: Optional[str] = None,
               out_dir: Optional[str] = None, plots: bool = True, max_minutes: Optional[float] = None,
-              progress: bool = False, print_table: bool = False) -> list[dict]:
+              progress: bool = False, print_table: bool = False, repeats: Optional[int] = None) -> list[dict]:
     """Runs the benchmark; returns one dict per (shape, dtype, mode, implementation).
 
     Args:
@@ -321,11 +376,16 @@ def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = No
         plots: write PNG plots (needs matplotlib; without it a note is printed and plots skipped).
         max_minutes: stop measuring after this much wall time (later rows: status "skipped").
         progress: progress bar on stderr.
-        print_table: print the results table on stdout at the end.
+        print_table: print the results table on stdout at the end, and a warning when some rows
+            are unsteady (`jaxattn.bench_spread`).
+        repeats: timed rounds per cell (default the preset's); more rounds give steadier medians
+            and wider, truer min-max intervals on a loaded machine.
 
     Returns:
-        Rows with the columns of `jaxattn.bench_report.COLUMNS`. `vs_torch_best` is torch's fastest
-        backend's time in the same cell over this row's time (> 1: faster than torch's best).
+        Rows with the columns of `jaxattn.bench_report.COLUMNS` and the per-repeat times
+        "repeat_us". `vs_torch_best` is torch's fastest backend's median time in the same cell over
+        this row's (> 1: faster than torch's best); `vs_torch_paired`, `vs_torch_min` and
+        `vs_torch_max` are the median, min and max over rounds of the same ratio taken per round.
 
     Raises:
         ValueError: an unknown preset, implementation, dtype or device, or a bad max_minutes.
@@ -334,6 +394,7 @@ def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = No
     import torch
 
     from .bench_report import Progress, finish_cell, format_table, run_metadata, write_outputs
+    from .bench_spread import loaded_warning, mark_unsteady
 
     impls = _check_names("impls", impls if impls is not None else default_impls(), all_impl_names(),
                          "'auto' is automatic selection, torch-* are torch's SDPA backends.")
@@ -344,6 +405,11 @@ def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = No
     if max_minutes is not None and not max_minutes > 0:
         raise ValueError(f"max_minutes={max_minutes!r}: expected a positive number of minutes or None.")
     plan = preset(preset_name, device)
+    if repeats is not None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats={repeats!r}: expected a whole number of timed rounds >= 1 (e.g. 9 on a "
+                             "loaded machine).")
+        plan = dataclasses.replace(plan, repeats=repeats)
     explicit = dtypes is not None
     dtypes = [normalize_dtype(d) for d in dtypes] if explicit else list(plan.dtypes)
     _check_names("dtypes", dtypes, sorted(set(DTYPE_ALIASES.values())), "e.g. --dtype bf16.")
@@ -357,11 +423,10 @@ def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = No
     rows: list[dict] = []
     for seed, (case, dtype, mode) in enumerate(cells):
         inputs = _inputs(case, getattr(torch, dtype), mode, device, seed)
-        cell = []
-        for impl in _impls_for(case, impls):
-            bar.step(f"{impl} {dtype} {mode} {case.label}")
-            cell.append(_measure_row(run, impl, case, dtype, mode, inputs))
-        rows += finish_cell(cell, case, dtype, mode)
+        cell_impls = _impls_for(case, impls)
+        bar.step(f"{dtype} {mode} {case.label} ({', '.join(cell_impls)})", count=len(cell_impls))
+        rows += finish_cell(_measure_cell(run, cell_impls, case, dtype, mode, inputs), case, dtype, mode)
+        mark_unsteady(rows)
         del inputs
         if out_dir is not None:
             meta["elapsed_s"] = round(time.perf_counter() - start, 1)
@@ -373,6 +438,8 @@ def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = No
     if out_dir is not None:
         for line in write_outputs(rows, meta, out_dir, plots=plots, complete=True):
             print(line)
+    if print_table and loaded_warning(rows, plan.repeats):
+        print(loaded_warning(rows, plan.repeats))
     return rows
 
 
@@ -380,6 +447,8 @@ def run_bench(preset_name: str = "quick", *, impls: Optional[Sequence[str]] = No
 # Command line
 
 HELP = "time our implementations against torch's SDPA backends on this device"
+#: Where the command line writes its files (plots included) when --out is not given.
+DEFAULT_OUT = "jaxattn-bench"
 
 
 def _impl_arg(value: str) -> str:
@@ -407,6 +476,16 @@ def _minutes_arg(value: str) -> float:
     return minutes
 
 
+def _repeats_arg(value: str) -> int:
+    try:
+        repeats = int(value)
+    except ValueError:
+        repeats = 0
+    if repeats < 1:
+        raise argparse.ArgumentTypeError(f"--repeats {value!r}: expected a whole number of rounds >= 1 (e.g. 9)")
+    return repeats
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the `bench` options to `parser`."""
     size = parser.add_mutually_exclusive_group()
@@ -420,7 +499,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch-math, torch-efficient, torch-flash, torch-cudnn; default all but auto and ring")
     parser.add_argument("--dtype", action="append", type=_dtype_arg, metavar="DTYPE",
                         help="bfloat16/bf16, float16/fp16, float32/fp32 (repeatable); default the preset's")
-    parser.add_argument("--out", metavar="DIR", help="write bench.csv, bench.json, summary.md and PNG plots here")
+    parser.add_argument("--out", metavar="DIR", help="write bench.csv, bench.json, summary.md and PNG plots here "
+                        f"(default ./{DEFAULT_OUT})")
+    parser.add_argument("--repeats", type=_repeats_arg, metavar="N",
+                        help="timed rounds per cell (default: the preset's, 5); more give steadier "
+                             "numbers on a loaded machine")
     parser.add_argument("--no-plots", action="store_true", help="no PNG plots")
     parser.add_argument("--fwd-only", action="store_true", help="forward only (no forward+backward)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
@@ -450,13 +533,17 @@ def _redraw(path: str, out_dir: Optional[str], plots: bool) -> int:
 def main(args: argparse.Namespace) -> int:
     """Runs `jaxattn bench` with parsed arguments; returns the exit status."""
     if bench_models.wanted(args):
+        if args.repeats is not None:
+            print("jaxattn bench: error: --repeats is not used with --models (its plan sets the rounds per cell)",
+                  file=sys.stderr)
+            return 2
         return bench_models.main(args)
     if args.from_json:
         return _redraw(args.from_json, args.out, plots=not args.no_plots)
     try:
         run_bench(args.preset, impls=args.impl, dtypes=args.dtype, fwd_only=args.fwd_only, device=args.device,
-                  out_dir=args.out, plots=not args.no_plots, max_minutes=args.max_minutes,
-                  progress=not args.no_progress, print_table=True)
+                  out_dir=args.out or DEFAULT_OUT, plots=not args.no_plots, max_minutes=args.max_minutes,
+                  progress=not args.no_progress, print_table=True, repeats=args.repeats)
     except ValueError as exc:
         print(f"jaxattn bench: error: {exc}", file=sys.stderr)
         return 2

@@ -4,12 +4,19 @@
                             one panel per dtype and mode
     small_call_latency.png  µs per call of the small calls, bars per implementation (log scale)
     decode_gbps.png         GB/s of the decode cases, bars per implementation
+    vs_torch.png            our implementations' paired ratio to torch's fastest backend per cell
+
+Every point and bar is the median over the repeats, with an error bar from the slowest to the
+fastest repeat (for ratios: the lowest to the highest per-round ratio); rows too unsteady to
+compare (`jaxattn.bench_spread`) are drawn hollow (bars) or with a white centre (points).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Optional, Sequence
+
+from .bench_report import throughput_range
 
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -44,6 +51,21 @@ def _style(impl: str) -> dict:
             "color": _color(impl)}
 
 
+def error_bar(row: dict, value: str) -> tuple[float, float]:
+    """(below, above) the median of `value` ("tflops", "gbps", "time_us" or "vs_torch_paired") to the
+    lowest and highest over the repeats; (0, 0) when the row kept no spread."""
+    mid = row.get(value)
+    if value == "time_us":
+        lo, hi = row.get("min_us"), row.get("max_us")
+    elif value == "vs_torch_paired":
+        lo, hi = row.get("vs_torch_min"), row.get("vs_torch_max")
+    else:
+        lo, hi = throughput_range(row, value)
+    if mid is None or lo is None or hi is None:
+        return 0.0, 0.0
+    return max(mid - lo, 0.0), max(hi - mid, 0.0)
+
+
 def _title(meta: dict, what: str) -> str:
     return f"{what} — {meta.get('device_name', meta.get('device'))}, {meta.get('date')}"
 
@@ -62,8 +84,13 @@ def plot_sweep(rows: Sequence[dict], meta: dict, path: str) -> bool:
             ax = axes[i][j]
             cell = [r for r in picked if r["dtype"] == dtype and r["mode"] == mode]
             for impl in dict.fromkeys(r["impl"] for r in cell):
-                pts = sorted((r["q_len"], r["tflops"]) for r in cell if r["impl"] == impl)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=impl, **_style(impl))
+                pts = sorted((r for r in cell if r["impl"] == impl), key=lambda r: r["q_len"])
+                errs = [error_bar(r, "tflops") for r in pts]
+                ax.errorbar([r["q_len"] for r in pts], [r["tflops"] for r in pts],
+                            yerr=[[e[0] for e in errs], [e[1] for e in errs]], capsize=3, label=impl, **_style(impl))
+                shaky = [r for r in pts if r.get("unsteady")]
+                ax.plot([r["q_len"] for r in shaky], [r["tflops"] for r in shaky], "o", linestyle="none",
+                        markersize=4, markerfacecolor="white", markeredgecolor=_color(impl))
             ax.set_xscale("log", base=2)
             lengths = sorted({r["q_len"] for r in cell})
             ax.set_xticks(lengths)
@@ -75,14 +102,16 @@ def plot_sweep(rows: Sequence[dict], meta: dict, path: str) -> bool:
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
     sample = picked[0]
-    fig.suptitle(_title(meta, f"causal, H={sample['q_heads']}, D={sample['head_dim']}, B·L constant"), fontsize=10)
+    fig.suptitle(_title(meta, f"causal, H={sample['q_heads']}, D={sample['head_dim']}, B·L constant; median, bars "
+                              "[min, max] over repeats; white centre: unsteady"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
 
 
-def _bars(rows: Sequence[dict], meta: dict, path: str, value: str, ylabel: str, log: bool, what: str) -> bool:
+def _bars(rows: Sequence[dict], meta: dict, path: str, value: str, ylabel: str, log: bool, what: str,
+          line_at: Optional[float] = None) -> bool:
     if not rows:
         return False
     plt = _pyplot()
@@ -94,23 +123,30 @@ def _bars(rows: Sequence[dict], meta: dict, path: str, value: str, ylabel: str, 
     width = 0.8 / len(impls)
     for ax, dtype in zip(axes[0], dtypes):
         for k, impl in enumerate(impls):
-            xs, ys = [], []
+            xs, ys, errs, fills = [], [], [], []
             for g, (case, mode) in enumerate(groups):
                 hit = [r for r in rows if r["dtype"] == dtype and r["impl"] == impl and (r["case"], r["mode"]) ==
                        (case, mode)]
                 if hit:
                     xs.append(g + (k - (len(impls) - 1) / 2) * width)
                     ys.append(hit[0][value])
-            ax.bar(xs, ys, width, label=impl, color=_color(impl), hatch="//" if impl.startswith("torch-") else None)
+                    errs.append(error_bar(hit[0], value))
+                    fills.append(_color(impl) if not hit[0].get("unsteady") else "none")
+            ax.bar(xs, ys, width, yerr=[[e[0] for e in errs], [e[1] for e in errs]], capsize=3, label=impl,
+                   color=fills, edgecolor=_color(impl), hatch="//" if impl.startswith("torch-") else None)
         ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([f"{c}\n{m}" for c, m in groups], fontsize=7)
+        crowded = len(groups) > 4  # long case labels overlap side by side: slanted
+        ax.set_xticklabels([f"{c}\n{m}" for c, m in groups], fontsize=7, rotation=30 if crowded else 0,
+                           ha="right" if crowded else "center")
         if log:
             ax.set_yscale("log")
+        if line_at is not None:
+            ax.axhline(line_at, color="black", linewidth=0.8)
         ax.set_ylabel(ylabel)
         ax.set_title(SHORT.get(dtype, dtype))
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(_title(meta, what), fontsize=10)
+    fig.suptitle(_title(meta, what + " — median, bars: [min, max] over repeats; hollow: unsteady"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -134,4 +170,8 @@ def write_plots(rows: Sequence[dict], meta: dict, out_dir: str) -> list[str]:
     decode = _ok(rows, lambda r: r["decode"])
     if _bars(decode, meta, os.path.join(out_dir, "decode_gbps.png"), "gbps", "GB/s", False, "decode"):
         written.append("decode_gbps.png")
+    ratios = _ok(rows, lambda r: r["family"] == "ours" and r.get("vs_torch_paired") is not None)
+    if _bars(ratios, meta, os.path.join(out_dir, "vs_torch.png"), "vs_torch_paired",
+             "torch's best time / ours, paired (log; > 1: ours faster)", True, "ratio to torch", line_at=1.0):
+        written.append("vs_torch.png")
     return written

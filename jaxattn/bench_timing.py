@@ -3,7 +3,10 @@
 Timing rule (`measure`): the first call (trace + compile for a JAX implementation) is timed on its
 own, synchronised; a few warm-up calls follow; one calibration loop picks how many back-to-back
 calls make a repeat last about `target_s`; the result is the median over `repeats` of the time per
-call of such a loop. On CUDA each loop is timed with two CUDA events on torch's current stream
+call of such a loop, with the fastest and slowest repeat and every repeat's time (`Timing`).
+`jaxattn bench` times the implementations of a cell in rounds (`round_orders`: one loop of each
+per round, the order reversed every other round), so that their repeats pair up
+(`jaxattn.bench_spread`). On CUDA each loop is timed with two CUDA events on torch's current stream
 (our results make that stream wait on JAX's work, so the events enclose it); on the CPU with the
 host clock after the last call has returned (CPU calls return finished tensors).
 
@@ -78,6 +81,7 @@ class Timing:
         median_s: median over repeats of the time per call in a back-to-back loop (warm-up excluded).
         min_s, max_s: fastest and slowest repeat (per call).
         iters: calls per repeat; repeats: number of repeats.
+        per_call_s: each repeat's time per call, in the order they ran.
     """
 
     first_call_s: float
@@ -86,6 +90,16 @@ class Timing:
     max_s: float
     iters: int
     repeats: int
+    per_call_s: tuple[float, ...] = ()
+
+    @classmethod
+    def of_repeats(cls, first_call_s: float, iters: int, per_call_s) -> "Timing":
+        """The Timing of given per-repeat times per call (median, min, max over them)."""
+        per_call_s = tuple(per_call_s)
+        if not per_call_s:
+            raise ValueError("per_call_s=(): expected at least one repeat's time per call.")
+        return cls(first_call_s, statistics.median(per_call_s), min(per_call_s), max(per_call_s), iters,
+                   len(per_call_s), per_call_s)
 
 
 class Clock:
@@ -138,6 +152,19 @@ def measure(fn: Callable[[], Any], clock: Clock, *, repeats: int = 5, warmup: in
     if repeats < 1 or warmup < 0 or max_iters < 1 or not target_s > 0:
         raise ValueError(f"measure: repeats={repeats} (>= 1), warmup={warmup} (>= 0), max_iters={max_iters} "
                          f"(>= 1), target_s={target_s} (> 0) expected.")
+    first_call_s, iters = prepare(fn, clock, warmup=warmup, target_s=target_s, max_iters=max_iters,
+                                  first_call_s=first_call_s)
+    per_call = [clock.loop_seconds(fn, iters) / iters for _ in range(repeats)]
+    return Timing.of_repeats(first_call_s, iters, per_call)
+
+
+def prepare(fn: Callable[[], Any], clock: Clock, *, warmup: int = 2, target_s: float = 0.02, max_iters: int = 200,
+            first_call_s: Optional[float] = None) -> tuple[float, int]:
+    """The untimed part of `measure`: first call (timed on its own), warm-up, calibration.
+
+    Returns:
+        (first_call_s, iters): the first call's seconds and the calls per timed loop.
+    """
     if first_call_s is None:
         clock.sync()
         t0 = time.perf_counter()
@@ -148,6 +175,11 @@ def measure(fn: Callable[[], Any], clock: Clock, *, repeats: int = 5, warmup: in
         fn()
     clock.sync()
     one = clock.loop_seconds(fn, 1)
-    iters = int(min(max_iters, max(1, math.ceil(target_s / max(one, 1e-9)))))
-    per_call = [clock.loop_seconds(fn, iters) / iters for _ in range(repeats)]
-    return Timing(first_call_s, statistics.median(per_call), min(per_call), max(per_call), iters, repeats)
+    return first_call_s, int(min(max_iters, max(1, math.ceil(target_s / max(one, 1e-9)))))
+
+
+def round_orders(names, repeats: int) -> list[list]:
+    """The order of `names` in each of `repeats` rounds: as given in even rounds, reversed in odd ones,
+    so that no implementation always runs first (or right after the same neighbour) in a pair."""
+    names = list(names)
+    return [names if r % 2 == 0 else names[::-1] for r in range(repeats)]

@@ -44,7 +44,8 @@ def _memory_settings() -> list[tuple[str, str]]:
 
 
 def doctor() -> int:
-    """Prints versions, devices and which implementations can run on each platform here."""
+    """Prints versions, devices, which implementations can run on each platform here, and what automatic
+    selection picks for a typical prefill and decoding call."""
     from . import bridge  # noqa: F401  (applies the GPU memory policy before JAX starts)
     import jax
     import torch
@@ -75,7 +76,34 @@ def doctor() -> int:
                     reasons = AttentionRegistry.get(name).not_supported_reasons(inputs)
                     status = "ok" if not reasons else "no: " + "; ".join(reasons)
                     print(f"  {plat:<4} {probe:<8} {dtype:<9} {name:<10} {status}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for line in automatic_choices(device):
+        print(line)
     return 0
+
+
+LAUNCHER_WORDS = {"native": "native Triton launch", "xla": "XLA bridge"}
+
+
+def automatic_choices(device: str) -> list[str]:
+    """Lines saying which implementation and launcher `scaled_dot_product_attention` picks on `device`
+    for a typical prefill and decoding call, and why (the selection code's own reasons)."""
+    import textwrap
+
+    from .torch_api.explain import describe_call, explain_sdpa, typical_calls
+
+    lines = [f"automatic selection on {device} (scaled_dot_product_attention, implementation=None)"]
+    for label, q_shape, k_shape, dtype, causal in typical_calls(device):
+        call = describe_call(q_shape, k_shape, dtype, causal)
+        try:
+            choice = explain_sdpa(q_shape, k_shape, dtype, device, is_causal=causal)
+        except (ValueError, NotImplementedError) as exc:
+            lines.append(f"  {label:<8} {call}: no implementation: {' '.join(str(exc).split())}")
+            continue
+        lines.append(f"  {label:<8} {call}: {choice.implementation} via the {LAUNCHER_WORDS[choice.launcher]}")
+        lines += textwrap.wrap(f"why: {choice.reason}", 100, initial_indent=" " * 11, subsequent_indent=" " * 16,
+                               break_long_words=False, break_on_hyphens=False)
+    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

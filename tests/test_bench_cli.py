@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from jaxattn import cli
 from jaxattn.bench import Case, Preset, _measure_row, _Run, default_impls, run_bench
-from jaxattn.bench_report import COLUMNS
+from jaxattn.bench_report import COLUMNS, JSON_ONLY
 from jaxattn.bench_timing import Clock, attention_flops, decode_bytes, measure, visible_pairs
 
 
@@ -105,7 +105,7 @@ def test_quick_run_writes_csv_and_json_with_the_columns(quick_run):
     assert data["meta"]["complete"] is True and data["meta"]["device"] == "cpu"
     assert {"torch", "jax", "jaxattn"} <= set(data["meta"]["versions"])
     assert len(data["rows"]) == len(rows) > 0
-    assert all(tuple(r) == COLUMNS for r in data["rows"])
+    assert all(tuple(r) == COLUMNS + JSON_ONLY for r in data["rows"])
     assert {r["impl"] for r in data["rows"]} == set(default_impls())
     assert {"sdpa", "flash", "decode", "vanilla", "torch-math", "torch-cudnn"} <= set(default_impls())
     assert "auto" not in default_impls()
@@ -124,7 +124,9 @@ def test_quick_run_values_are_plausible(quick_run):
         for key in ("time_us", "min_us", "max_us", "first_call_s", "tflops"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
         assert r["min_us"] <= r["time_us"] <= r["max_us"]
-        assert r["iters"] >= 1 and r["repeats"] == 3
+        assert r["iters"] >= 1 and r["repeats"] == 5 == len(r["repeat_us"])
+        assert r["min_us"] == pytest.approx(min(r["repeat_us"])) and r["max_us"] == pytest.approx(max(r["repeat_us"]))
+        assert r["spread"] == pytest.approx(r["max_us"] / r["min_us"]) and isinstance(r["unsteady"], bool)
         flops = attention_flops(r["batch"], r["q_heads"], r["q_len"], r["kv_len"], r["head_dim"], r["head_dim"],
                                 r["causal"], r["mode"] == "fwd+bwd")
         assert r["tflops"] == pytest.approx(flops / (r["time_us"] * 1e-6) / 1e12)
@@ -155,6 +157,11 @@ def test_ratio_is_against_torchs_fastest_backend_of_the_cell(quick_run):
             assert r["torch_best"] == best["impl"]
             if r["status"] == "ok":
                 assert r["vs_torch_best"] == pytest.approx(best["time_us"] / r["time_us"])
+                # Paired: the same rounds of both sides, ratio per round.
+                per_round = [b / o for b, o in zip(best["repeat_us"], r["repeat_us"])]
+                assert r["vs_torch_min"] == pytest.approx(min(per_round))
+                assert r["vs_torch_max"] == pytest.approx(max(per_round))
+                assert r["vs_torch_min"] <= r["vs_torch_paired"] <= r["vs_torch_max"]
         assert max(r["vs_torch_best"] for r in torch_ok) == pytest.approx(1.0)
     _, csv_rows = _csv_rows(quick_run["out"])
     for c, j in zip(csv_rows, rows):
@@ -165,7 +172,7 @@ def test_ratio_is_against_torchs_fastest_backend_of_the_cell(quick_run):
 
 def test_quick_run_writes_plots_and_summary(quick_run):
     pytest.importorskip("matplotlib")
-    for name in ("tflops_vs_seqlen.png", "small_call_latency.png", "decode_gbps.png"):
+    for name in ("tflops_vs_seqlen.png", "small_call_latency.png", "decode_gbps.png", "vs_torch.png"):
         data = (quick_run["out"] / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     summary = (quick_run["out"] / "summary.md").read_text()

@@ -115,8 +115,13 @@ def use_native(inputs: AttentionInputs, device: torch.device, choice, launcher: 
     Raises:
         ValueError: launcher "native" and the call cannot run natively (with the reasons).
     """
+    return native_decision(inputs, device, choice, launcher)[0]
+
+
+def native_decision(inputs: AttentionInputs, device: torch.device, choice, launcher: str) -> tuple[bool, str]:
+    """`use_native`'s answer and why (the same decision; `explain_choice` prints it)."""
     if launcher == "xla":
-        return False
+        return False, "sdpa_launcher('xla') is active"
     names = (choice,) if isinstance(choice, str) else choice
     wanted = names is None or names[0] in NATIVE_IMPLEMENTATIONS
     reasons = native_reasons(inputs, device) if wanted else [
@@ -124,13 +129,25 @@ def use_native(inputs: AttentionInputs, device: torch.device, choice, launcher: 
     if launcher == "native":
         if reasons:
             raise ValueError("sdpa_launcher('native') cannot run this call: " + "; ".join(reasons) + ".")
-        return True
-    if reasons or device.type != "cuda":
-        return False
+        return True, "sdpa_launcher('native') is active"
+    if reasons:
+        return False, "the native launcher cannot run it: " + "; ".join(reasons)
+    if device.type != "cuda":
+        return False, f"automatic launch runs natively only on CUDA (device {device})"
     if names is not None:  # flash asked for by name
-        return True
+        return True, f"implementation={choice!r} asked for by name runs the Triton kernels"
     # Automatic: where the XLA path would run flash anyway, or where native measured faster.
-    return prefer_native(inputs) or _xla_choice(inputs) in NATIVE_IMPLEMENTATIONS
+    if prefer_native(inputs):
+        decoding = inputs.q_len <= 16 and inputs.kv_len > inputs.q_len
+        return True, (f"a decoding call with S={inputs.kv_len} <= {NATIVE_DECODE_MAX_KEYS} keys: one native launch "
+                      "beats the XLA path's host cost" if decoding else
+                      "our flash kernel measured faster than the XLA path's choice at this size and head dim")
+    xla = _xla_choice(inputs)
+    if xla in NATIVE_IMPLEMENTATIONS:
+        return True, "the XLA path would run flash too; the native launch skips its host cost"
+    if inputs.q_len <= 16 and inputs.kv_len > inputs.q_len:
+        return False, f"a decoding call over {NATIVE_DECODE_MAX_KEYS} keys: the XLA path's {xla} reads the cache faster"
+    return False, f"the XLA path's {xla} measured faster here (head dim 65-128, B*H*L*S >= {XLA_CUDNN_MIN_WORK})"
 
 
 def _xla_choice(inputs: AttentionInputs) -> Optional[str]:
@@ -182,6 +199,25 @@ _DECODE_CONFIGS: dict = {}
 def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, causal, bottom_right, window, softcap,
                    sinks, mask, dropout_p, lse, scale, segments, varlen) -> Optional[FlashConfig]:
     l, s = q_shape[2], k_shape[2]
+    features = call_features(l, s, causal=causal, bottom_right=bottom_right, window=window, softcap=softcap,
+                             sinks=sinks, mask=mask, dropout_p=dropout_p, lse=lse, segments=segments, varlen=varlen)
+    if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
+        return None
+    return FlashConfig(
+        scale=float(scale) if scale is not None else q_shape[3] ** -0.5, causal=bool(causal),
+        diag_offset=s - l if bottom_right and varlen is None else 0,
+        window=tuple(window) if window is not None else (-1, -1),
+        softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
+        varlen=None if varlen is None else (int(varlen[0]), int(varlen[1])),
+        varlen_bottom_right=bool(bottom_right) and varlen is not None, fast_tanh=device.type == "cuda",
+    )
+
+
+def call_features(l: int, s: int, *, causal: bool = False, bottom_right: bool = False,
+                  window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None, sinks: bool = False,
+                  mask: Optional[torch.dtype] = None, dropout_p: float = 0.0, lse: bool = False,
+                  segments: bool = False, varlen: Optional[tuple[int, int]] = None) -> set:
+    """jax_core's feature names of a (L queries, S keys) call with these options (see `native_config`)."""
     # Packed sequences align per sequence (the kernels' VARLEN_BOTTOM_RIGHT), never by S - L.
     shifted = bottom_right and (l != s or varlen is not None)
     features = set()
@@ -195,13 +231,4 @@ def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, c
                      ("dropout", dropout_p > 0), ("lse", lse), ("segment_ids", segments), ("varlen", varlen is not None)):
         if on:
             features.add(name)
-    if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
-        return None
-    return FlashConfig(
-        scale=float(scale) if scale is not None else q_shape[3] ** -0.5, causal=bool(causal),
-        diag_offset=s - l if bottom_right and varlen is None else 0,
-        window=tuple(window) if window is not None else (-1, -1),
-        softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
-        varlen=None if varlen is None else (int(varlen[0]), int(varlen[1])),
-        varlen_bottom_right=bool(bottom_right) and varlen is not None, fast_tanh=device.type == "cuda",
-    )
+    return features
