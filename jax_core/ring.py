@@ -485,8 +485,8 @@ def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logi
     layout = layout if layout is not None else rl.default_layout(causal, sliding_window)
     if layout not in rl.LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {rl.LAYOUTS} or None.")
-    if kernel is None:
-        kernel = default_kernel(_platform(query))
+    if kernel is None:  # the mesh's devices run the blocks (a traced query knows none of its own)
+        kernel = default_kernel(_platform(mesh.devices.flat[0]))
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS} or None.")
     if accumulation not in ACCUMULATIONS:
@@ -516,8 +516,10 @@ def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logi
 
 
 def _platform(x) -> str:
+    """"gpu", "cpu" or "tpu": of a jax.Device, or of an array's first device (JAX's default backend
+    for a traced array)."""
     try:
-        platform = next(iter(x.devices())).platform
+        platform = x.platform if isinstance(x, jax.Device) else next(iter(x.devices())).platform
     except (AttributeError, jax.errors.ConcretizationTypeError):
         platform = jax.default_backend()
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
@@ -660,7 +662,7 @@ class RingAttn(AttentionImpl):
             query, key, value, mesh=md.mesh, axis_name=md.sequence_axis_name, causal=causal,
             sliding_window=None if sliding_window is None else tuple(sliding_window),
             logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, segment_ids=segment_ids,
-            scale=md.scale_for(query.shape[-1]), kernel=default_kernel(md.platform or _platform(query)),
+            scale=md.scale_for(query.shape[-1]), kernel=None if md.platform is None else default_kernel(md.platform),
             batch_axis=pa.batch_axis, head_axis=pa.head_axis, chunk_q=md.blocksize_q, chunk_k=md.blocksize_k,
             return_lse=True,
         )
