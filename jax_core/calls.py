@@ -6,7 +6,7 @@ torch API validates and translates torch arguments, then calls one of these thro
 
 Layouts: (B, Hq, L, E) queries, (B, Hk, S, E) keys, (B, Hk, S, Ev) values ("BHTD"); flash's
 varlen call takes packed (total, H, E) arrays with cu_seqlens; decode takes (B, Hq, T, D) queries
-against a cache in its own layout. `seed` is None or an int32 (2,) array; dropout draws its
+against a cache in its own layout; ring takes global arrays sharded over a device mesh. `seed` is None or an int32 (2,) array; dropout draws its
 randomness from it.
 """
 
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from .decode import decode_attention
 from .dispatch import attention
 from .metadata import AttentionMetadata
+from .ring import ring_attention, ring_attention_backward
 
 
 def _dropout_rng(seed):
@@ -120,3 +121,27 @@ def decode_with_lse(q, k_cache, v_cache, lengths, starts, block_table, sinks, *,
     return _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
                    scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=True)
 
+
+def _swap(x):
+    return jnp.swapaxes(x, 1, 2)
+
+
+def ring(query, key, value, q_segment_ids, kv_segment_ids, *, mesh, **options):
+    """Ring attention over the 1-D `mesh` on global (B, Hq, L, E) / (B, Hk, S, E|Ev) arrays sharded
+    along L and S, segment ids (B, L) / (B, S) or None -> (output (B, Hq, L, Ev), float32 LSE (B, Hq, L)).
+
+    `options` are `ring_attention`'s static keyword arguments (causal, sliding_window, scale, ...).
+    """
+    segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    out, lse = ring_attention(_swap(query), _swap(key), _swap(value), segment_ids=segment_ids, return_lse=True,
+                              mesh=mesh, axis_name=mesh.axis_names[0], **options)
+    return _swap(out), lse
+
+
+def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, out, lse, d_out, d_lse, *, mesh, **options):
+    """The gradients (dq, dk, dv) of `ring` from its saved output and LSE and their cotangents (no
+    forward recompute)."""
+    segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    grads = ring_attention_backward(_swap(query), _swap(key), _swap(value), _swap(out), lse, _swap(d_out), d_lse,
+                                    segment_ids=segment_ids, mesh=mesh, axis_name=mesh.axis_names[0], **options)
+    return tuple(_swap(g) for g in grads)
