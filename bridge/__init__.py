@@ -7,6 +7,8 @@
   compile time); `enable_persistent_cache`: JAX's on-disk cache across restarts.
 * `initialize_from_torchrun`, `global_from_shards`, `torch_shards`: several devices and processes
   (`distributed.py`).
+* `ShardedJaxOp`: a JAX function over a 1-D device mesh as a differentiable torch op on whole or
+  sharded tensors; `resolve_mesh`: the mesh of such a call from what a torch caller names.
 
 Importing jaxattn turns off JAX's 75% GPU preallocation unless XLA_PYTHON_CLIENT_* is set
 (see `jaxattn.gpu_memory`); `configure_gpu_memory` is re-exported here.
@@ -18,10 +20,13 @@ from .devices import to_jax_device, to_torch_device
 from .dlpack import importable, narrow_broadcast, to_jax, to_torch
 from .distributed import global_from_shards, initialize_from_torchrun, torch_shards, torchrun_settings
 from .dtypes import to_jax_dtype, to_torch_dtype
+from .meshes import resolve_mesh
+from .sharded_op import ShardedJaxOp
 from .torch_op import JaxOp, cache_info, clear_cache, jax_op, set_cache_size
 
 __all__ = [
     "JaxOp", "cache_info", "clear_cache", "enable_persistent_cache", "importable", "narrow_broadcast", "configure_gpu_memory", "jax_op", "set_cache_size",
     "to_jax", "to_jax_device", "to_jax_dtype", "to_torch", "to_torch_device", "to_torch_dtype",
     "global_from_shards", "initialize_from_torchrun", "torch_shards", "torchrun_settings",
+    "ShardedJaxOp", "resolve_mesh",
 ]

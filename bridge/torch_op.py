@@ -91,12 +91,15 @@ class JaxOp:
             take static Python constants.
         name: unique name; identifies the function inside the custom op and the cache.
         num_outputs: number of arrays `fn` returns (1: a single array; >1: a tuple).
+        module: the module that creates the op, which a process unpickling the op imports to
+            register it (default: `fn`'s module; give it when the op is made in another module
+            than the one defining `fn`).
 
     Calling it returns a torch tensor (or a tuple when `num_outputs > 1`) on the inputs' device.
     Gradients flow to floating-point tensor arguments that require grad.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, name: str, num_outputs: int = 1):
+    def __init__(self, fn: Callable[..., Any], *, name: str, num_outputs: int = 1, module: Optional[str] = None):
         if not isinstance(name, str) or not name:
             raise ValueError(f"name={name!r}: expected a non-empty str.")
         if name in _OPS and _OPS[name].fn is not fn:
@@ -104,6 +107,7 @@ class JaxOp:
         if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
             raise ValueError(f"num_outputs={num_outputs!r}: expected an int >= 1.")
         self.fn, self.name, self.num_outputs = fn, name, num_outputs
+        self.module = module if module is not None else getattr(fn, "__module__", None)
         self._plans: dict[tuple, CallPlan] = {}
         functools.update_wrapper(self, fn)
         _OPS[name] = self
@@ -117,7 +121,7 @@ class JaxOp:
         return self
 
     def __reduce__(self):
-        return _registered_op, (self.name, getattr(self.fn, "__module__", None))
+        return _registered_op, (self.name, self.module)
 
     def __call__(self, *args: Optional[torch.Tensor], **static: Any):
         check_not_forked(self.name)
@@ -160,11 +164,15 @@ class JaxOp:
         return plan
 
 
-def jax_op(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, num_outputs: int = 1):
-    """Decorator form of `JaxOp`; `name` defaults to the function's qualified module path."""
+def jax_op(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, num_outputs: int = 1,
+           module: Optional[str] = None):
+    """Decorator form of `JaxOp`; `name` defaults to the function's qualified module path.
+
+    `jax_op(fn, name=..., module=__name__)` makes an op of a function defined elsewhere (see `JaxOp`).
+    """
 
     def wrap(f):
-        return JaxOp(f, name=name or f"{f.__module__}.{f.__qualname__}", num_outputs=num_outputs)
+        return JaxOp(f, name=name or f"{f.__module__}.{f.__qualname__}", num_outputs=num_outputs, module=module)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -1,7 +1,8 @@
 """jaxattn.jax_core: attention in pure JAX (this package never imports torch).
 
 Implementations register in `AttentionRegistry`; `attention()` selects and runs one. Layout is
-(B, T, H, D) throughout; bias and masks broadcast to (B, Hq, T, S).
+(B, T, H, D) throughout; bias and masks broadcast to (B, Hq, T, S). `jax_core.calls` holds the
+functions the torch API runs through the bridge, in the layouts it passes.
 """
 
 from . import decode as _decode  # noqa: F401  (registers "decode", "autoregressive_decodeattn")

@@ -29,8 +29,7 @@ from typing import Literal, Optional
 import torch
 
 from ..bridge import jax_op
-from ..jax_core import AttentionMetadata
-from ..jax_core import decode_attention as _jax_decode_attention
+from ..jax_core import calls
 from ..jax_core.base import DECODE_MAX_QUERY_LEN
 from .validation import AttentionInputError, check_finite, describe
 
@@ -38,28 +37,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _decode_body(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
-                 kernel, platform, return_lse):
-    out = _jax_decode_attention(
-        q, k_cache, v_cache, lengths, starts=starts, block_table=block_table, sliding_window=window,
-        logits_soft_cap=softcap, softmax_aux=sinks, cache_layout=cache_layout, query_layout="BHTD", kernel=kernel,
-        return_lse=return_lse, metadata=AttentionMetadata(softmax_scale=scale, platform=platform),
-    )
-    return (out.attention_outputs, out.lse) if return_lse else out.attention_outputs
-
-
-@jax_op(name="jaxattn.decode")
-def _decode_jax(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
-                kernel, platform):
-    return _decode_body(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
-                        scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=False)
-
-
-@jax_op(name="jaxattn.decode_lse", num_outputs=2)
-def _decode_lse_jax(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
-                    kernel, platform):
-    return _decode_body(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
-                        scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=True)
+_decode_jax = jax_op(calls.decode, name="jaxattn.decode", module=__name__)
+_decode_lse_jax = jax_op(calls.decode_with_lse, name="jaxattn.decode_lse", num_outputs=2, module=__name__)
 
 
 def _check_tensors(q, k_cache, v_cache, cache_layout: str, paged: bool) -> tuple[int, int, int, int]:

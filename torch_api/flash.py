@@ -29,12 +29,10 @@ from __future__ import annotations
 import math
 from typing import Literal, Optional, Sequence, Union
 
-import jax
-import jax.numpy as jnp
 import torch
 
 from ..bridge import jax_op
-from ..jax_core import AttentionMetadata, attention
+from ..jax_core import calls
 from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
 from .native_flash import flash_forward
@@ -44,48 +42,8 @@ from .validation import AttentionInputError, check_finite, check_qkv, describe
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _flash_body(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
-                causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, return_lse,
-                implementation, platform):
-    """(B, Hq, L, E) / (B, Hk, S, E|Ev) arrays, or packed (total, H, E) ones with cu_seqlens."""
-    varlen = cu_seqlens_q is not None
-    segment_ids = cu_seqlens = None
-    if q_segment_ids is not None:
-        kv_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
-        segment_ids = (q_segment_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
-    if varlen:  # (total, H, E) -> (1, total, H, E): a free reshape
-        query, key, value = query[None], key[None], value[None]
-        cu_seqlens = (cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32))
-    rng = None if seed is None else jax.random.fold_in(jax.random.key(seed[0]), seed[1])
-    out = attention(
-        query, key, value, causal=causal, causal_alignment=causal_alignment, sliding_window=window,
-        logits_soft_cap=softcap, softmax_aux=sinks, dropout_rng=rng, return_lse=return_lse,
-        implementation=implementation, layout="BTHD" if varlen else "BHTD", segment_ids=segment_ids,
-        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
-    )
-    result, lse = out.attention_outputs, out.lse
-    if varlen:  # (1, total_q, Hq, Ev) -> (total_q, Hq, Ev); LSE (1, Hq, total_q) -> (Hq, total_q)
-        result, lse = result[0], None if lse is None else lse[0]
-    return (result, lse) if return_lse else result
-
-
-@jax_op(name="jaxattn.flash")
-def _flash_jax(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
-               causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation, platform):
-    return _flash_body(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
-                       causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap, scale=scale,
-                       dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=False, implementation=implementation,
-                       platform=platform)
-
-
-@jax_op(name="jaxattn.flash_lse", num_outputs=2)
-def _flash_lse_jax(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
-                   causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation, platform):
-    return _flash_body(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
-                       causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap, scale=scale,
-                       dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=True, implementation=implementation,
-                       platform=platform)
+_flash_jax = jax_op(calls.flash, name="jaxattn.flash", module=__name__)
+_flash_lse_jax = jax_op(calls.flash_with_lse, name="jaxattn.flash_lse", num_outputs=2, module=__name__)
 
 
 def _check_varlen_qkv(q, k, v) -> None:

@@ -27,22 +27,14 @@ recompute) and traceable by torch.compile (custom ops with fake implementations)
 
 from __future__ import annotations
 
-import functools
 from typing import Literal, Optional, Sequence, Union
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from ..bridge.devices import to_jax_device
-from ..bridge.dlpack import to_jax
-from ..bridge.distributed import global_from_shards, torch_shards
+from ..bridge.meshes import resolve_mesh
+from ..bridge.sharded_op import ShardedJaxOp
+from ..jax_core import calls
 from ..jax_core.ring import ACCUMULATIONS
-from ..jax_core.ring import ring_attention as _jax_ring
-from ..jax_core.ring import ring_attention_backward as _jax_ring_backward
 from ..jax_core.ring_layout import LAYOUTS
 from .flash import _check_flag, _check_options, check_same_batch
 from .validation import AttentionInputError, check_finite, check_qkv
@@ -50,153 +42,10 @@ from .validation import AttentionInputError, check_finite, check_qkv
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
-
-# --- JAX side --------------------------------------------------------------------------------------
-
-
-def _mesh_of(device_ids: tuple[int, ...], axis: str) -> Mesh:
-    by_id = {d.id: d for d in jax.devices()}
-    return Mesh(np.array([by_id[i] for i in device_ids]), (axis,))
-
-
-def _swap(x):
-    return jnp.swapaxes(x, 1, 2)
-
-
-@functools.lru_cache(maxsize=64)
-def _jax_functions(device_ids, axis, options):
-    """Jitted (forward, backward) on global (B, H, L, E) arrays sharded over the mesh."""
-    mesh = _mesh_of(device_ids, axis)
-    kw = dict(options, mesh=mesh, axis_name=axis)
-
-    def forward(q, k, v, q_seg, kv_seg):
-        seg = None if q_seg is None else (q_seg, kv_seg)
-        out, lse = _jax_ring(_swap(q), _swap(k), _swap(v), segment_ids=seg, return_lse=True, **kw)
-        return _swap(out), lse
-
-    def backward(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
-        seg = None if q_seg is None else (q_seg, kv_seg)
-        grads = _jax_ring_backward(_swap(q), _swap(k), _swap(v), _swap(out), lse, _swap(dout), dlse,
-                                   segment_ids=seg, **kw)
-        return tuple(_swap(g) for g in grads)
-
-    return mesh, jax.jit(forward), jax.jit(backward)
-
-
-_SEQ = {4: P(None, None, "sp", None), 3: P(None, None, "sp"), 2: P(None, "sp")}
-
-
-def _spec(ndim: int, axis: str) -> P:
-    return P(*(axis if a == "sp" else a for a in _SEQ[ndim]))
-
-
-def _import(groups, form: str, mesh: Mesh, axis: str):
-    """Lists of torch shards (or one full tensor each) -> global JAX arrays (None stays None)."""
-    out = []
-    for group in groups:
-        if group is None:
-            out.append(None)
-            continue
-        spec = _spec(group[0].dim(), axis)
-        if form == "full":
-            (x,) = to_jax([group[0]])
-            seq = group[0].shape[2 if group[0].dim() >= 3 else 1]
-            sharding = NamedSharding(mesh, spec if seq % mesh.shape[axis] == 0 else P())
-            out.append(jax.device_put(x, sharding))
-        else:
-            out.append(global_from_shards(group, mesh, spec, 2 if group[0].dim() >= 3 else 1))
-    return out
-
-
-def _export(arrays, form: str, device: torch.device) -> list[torch.Tensor]:
-    """Global JAX arrays -> torch tensors: each array's shards in order, or one full tensor each."""
-    result = []
-    for x in arrays:
-        if form == "full":
-            result.append(torch.from_dlpack(jax.device_put(x, to_jax_device(device))))
-        else:
-            result.extend(torch_shards(x, 2 if x.ndim >= 3 else 1))
-    return result
-
-
-def _split(tensors: list[torch.Tensor], n: int, has_seg: bool):
-    groups = [tensors[i * n:(i + 1) * n] for i in range(len(tensors) // n)]
-    q, k, v = groups[:3]
-    seg = groups[3:5] if has_seg else (None, None)
-    return q, k, v, seg[0], seg[1], groups[5 if has_seg else 3:]
-
-
-# --- torch custom ops ------------------------------------------------------------------------------
-
-
-def _parse(spec: str):
-    import ast
-
-    form, n, has_seg, device_ids, axis, options = ast.literal_eval(spec)
-    return form, n, has_seg, tuple(device_ids), axis, tuple(options)
-
-
-@torch.library.custom_op("jaxattn::ring_attention", mutates_args=())
-def _ring_op(tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
-    form, n, has_seg, device_ids, axis, options = _parse(spec)
-    mesh, forward, _ = _jax_functions(device_ids, axis, options)
-    q, k, v, q_seg, kv_seg, _ = _split(tensors, n, has_seg)
-    out, lse = forward(*_import((q, k, v, q_seg, kv_seg), form, mesh, axis))
-    return _export((out, lse), form, tensors[0].device)
-
-
-@_ring_op.register_fake
-def _ring_op_fake(tensors, spec):
-    _, n, _, _, _, _ = _parse(spec)
-    q, v = tensors[:n], tensors[2 * n:3 * n]
-    outs = [torch.empty((*s.shape[:3], v[0].shape[3]), dtype=s.dtype, device=s.device) for s in q]
-    lses = [torch.empty(tuple(s.shape[:3]), dtype=torch.float32, device=s.device) for s in q]
-    return outs + lses
-
-
-@torch.library.custom_op("jaxattn::ring_attention_backward", mutates_args=())
-def _ring_backward_op(tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
-    form, n, has_seg, device_ids, axis, options = _parse(spec)
-    mesh, _, backward = _jax_functions(device_ids, axis, options)
-    q, k, v, q_seg, kv_seg, rest = _split(tensors, n, has_seg)
-    out, lse, dout, dlse = rest
-    grads = backward(*_import((q, k, v, q_seg, kv_seg, out, lse, dout, dlse), form, mesh, axis))
-    return _export(grads, form, tensors[0].device)
-
-
-@_ring_backward_op.register_fake
-def _ring_backward_op_fake(tensors, spec):
-    _, n, _, _, _, _ = _parse(spec)
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors[:3 * n]]
-
-
-def _setup_context(ctx, inputs, output):
-    tensors, spec = inputs
-    _, n, has_seg, _, _, _ = _parse(spec)
-    ctx.spec, ctx.n, ctx.has_seg = spec, n, has_seg
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*tensors, *output)
-
-
-def _backward(ctx, grads):
-    if torch.is_grad_enabled():  # create_graph=True: these gradients would not be differentiable again
-        raise NotImplementedError(
-            "ring_attention: second-order gradients (a backward with create_graph=True) are not implemented; "
-            "the gradients of ring attention cannot be differentiated again.")
-    n = ctx.n
-    saved = list(ctx.saved_tensors)
-    n_in = 5 * n if ctx.has_seg else 3 * n
-    inputs, out, lse = saved[:n_in], saved[n_in:n_in + n], saved[n_in + n:]
-    dout = [g if g is not None else torch.zeros_like(o) for g, o in zip(grads[:n], out)]
-    dlse = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads[n:], lse)]
-    computed = torch.ops.jaxattn.ring_attention_backward(inputs + out + lse + dout + dlse, ctx.spec)
-    return list(computed) + [None] * (n_in - 3 * n), None
-
-
-_ring_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# --- public API ------------------------------------------------------------------------------------
+#: (q, k, v, q_ids, kv_ids) split along their sequence dims -> (output, LSE) split the same way;
+#: the backward is a ring too, from the saved output and LSE.
+_ring_op = ShardedJaxOp(calls.ring, backward=calls.ring_backward, name="jaxattn.ring_attention", num_outputs=2,
+                        in_dims=(2, 2, 2, 1, 1), out_dims=(2, 2), module=__name__)
 
 
 def _as_list(name: str, x, form: str) -> list[torch.Tensor]:
@@ -210,52 +59,6 @@ def _as_list(name: str, x, form: str) -> list[torch.Tensor]:
     return [x]
 
 
-@torch.compiler.assume_constant_result
-def _setup(single: bool, mesh, shard_devices: tuple) -> tuple[str, tuple[int, ...], str]:
-    """(form, device ids of the ring, axis name): JAX runtime queries, constant while torch.compile traces."""
-    form = "shards" if not single or jax.process_count() > 1 else "full"
-    return (form, *_resolve_mesh(mesh, [torch.device(d) for d in shard_devices], form))
-
-
-def _resolve_mesh(mesh, shard_devices: list[torch.device], form: str) -> tuple[tuple[int, ...], str]:
-    """(device ids of the ring, axis name)."""
-    if isinstance(mesh, Mesh):
-        if len(mesh.axis_names) != 1:
-            raise AttentionInputError(f"mesh: expected a 1-D mesh (one sequence axis), got axes {mesh.axis_names}.")
-        devices = list(mesh.devices.flat)
-        axis = mesh.axis_names[0]
-    elif mesh is None:
-        if form == "full":
-            platform = "gpu" if shard_devices[0].type == "cuda" else "cpu"
-            devices = jax.local_devices(backend=platform)
-        elif jax.process_count() > 1:
-            devices = jax.devices()
-        elif all(d.type == "cpu" for d in shard_devices):  # CPU shards: the first n (simulated) CPU devices
-            devices = jax.local_devices(backend="cpu")[:len(shard_devices)]
-        else:
-            devices = [to_jax_device(d) for d in shard_devices]
-        axis = "sp"
-    elif isinstance(mesh, (list, tuple)) and mesh:
-        try:
-            devices = [to_jax_device(torch.device(d)) for d in mesh]
-        except (TypeError, RuntimeError) as err:
-            raise AttentionInputError(f"mesh={mesh!r}: expected torch devices such as ['cuda:0', 'cuda:1'] ({err}).") from None
-        axis = "sp"
-    else:
-        raise TypeError(f"mesh={mesh!r}: expected None, a 1-D jax.sharding.Mesh or a list of torch devices.")
-    if len({d.id for d in devices}) != len(devices):
-        raise AttentionInputError(f"mesh: a device appears twice in {devices}.")
-    if form == "shards":
-        local = [d for d in devices if d.process_index == jax.process_index()]
-        cuda = jax.process_count() == 1 and shard_devices[0].type == "cuda"
-        got = [to_jax_device(d) for d in shard_devices] if cuda else None
-        if len(shard_devices) != len(local) or (cuda and got != local):
-            raise AttentionInputError(
-                f"q: {len(shard_devices)} shard(s) on {[str(d) for d in shard_devices]}, but the ring's devices of this "
-                f"process are {local}; pass one shard per device, in the ring's order.")
-    return tuple(d.id for d in devices), axis
-
-
 def ring_attention(
     q: Tensors,
     k: Tensors,
@@ -263,7 +66,7 @@ def ring_attention(
     *,
     is_causal: bool = False,
     scale: Optional[float] = None,
-    mesh: Union[None, Mesh, Sequence[Union[str, torch.device]]] = None,
+    mesh: Union[None, "jax.sharding.Mesh", Sequence[Union[str, torch.device]]] = None,
     window: Optional[tuple[int, int]] = None,
     softcap: Optional[float] = None,
     segment_ids: Optional[tuple[Tensors, Tensors]] = None,
@@ -307,7 +110,8 @@ def ring_attention(
     """
     single = isinstance(q, torch.Tensor)
     devices = tuple(str(t.device) for t in ([q] if single else q) if isinstance(t, torch.Tensor))
-    form, device_ids, axis = _setup(single, mesh, devices)
+    whole, device_ids, axis = resolve_mesh(mesh, devices, single, AttentionInputError, "q", "ring")
+    form = "full" if whole else "shards"
     if single and form == "shards":  # this rank's shard
         q, k, v = [q], [k], [v]
         if segment_ids is not None:
@@ -350,14 +154,15 @@ def ring_attention(
         seg_lists = [[t.to(torch.int32) for t in g] for g in seg_lists]
     if form == "full":
         check_finite({"q": qs[0], "k": ks[0], "v": vs[0]})
-    options = (("causal", is_causal), ("sliding_window", window), ("logits_soft_cap", softcap),
-               ("scale", None if scale is None else float(scale)), ("layout", layout),
-               ("inputs_in_layout", bool(inputs_in_layout)), ("accumulation", accumulation))
-    spec = repr((form, len(qs), seg_lists is not None, device_ids, axis, options))
-    tensors = qs + ks + vs + (seg_lists[0] + seg_lists[1] if seg_lists is not None else [])
-    result = torch.ops.jaxattn.ring_attention(tensors, spec)
-    n = len(qs)
-    out, lse = result[:n], result[n:]
-    if single:
-        out, lse = out[0], lse[0]
+    options = dict(causal=is_causal, sliding_window=window, logits_soft_cap=softcap,
+                   scale=None if scale is None else float(scale), layout=layout,
+                   inputs_in_layout=bool(inputs_in_layout), accumulation=accumulation)
+    if form == "full":
+        q_ids, kv_ids = (None, None) if seg_lists is None else (seg_lists[0][0], seg_lists[1][0])
+        out, lse = _ring_op(qs[0], ks[0], vs[0], q_ids, kv_ids, mesh=(device_ids, axis), **options)
+    else:
+        q_ids, kv_ids = (None, None) if seg_lists is None else seg_lists
+        out, lse = _ring_op(qs, ks, vs, q_ids, kv_ids, mesh=(device_ids, axis), **options)
+        if single:  # this rank's shard
+            out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

@@ -24,15 +24,13 @@ import math
 import numbers
 from typing import Optional, Sequence, Union
 
-import jax
-import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
 from ..bridge import jax_op
 from ..bridge.call_plan import NotPlain, arg_key, static_key
 from ..bridge.dlpack import narrow_broadcast
-from ..jax_core import AttentionMetadata, attention
+from ..jax_core import calls
 from .autocast import autocast_dtype, autocast_off, cast
 from .bucketing import bucket_length, current_sequence_buckets
 from .launch import current_launcher, native_config
@@ -45,17 +43,8 @@ MAX_PLANS = 4096
 _plans: dict[tuple, "_Plan"] = {}
 
 
-@jax_op(name="jaxattn.sdpa")
-def _sdpa_jax(query, key, value, attn_mask, seed, *, is_causal, scale, dropout_p, implementation, platform):
-    """(B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev) torch-layout arrays -> (B, Hq, L, Ev)."""
-    is_bool = attn_mask is not None and attn_mask.dtype == jnp.bool_
-    rng = None if seed is None else jax.random.fold_in(jax.random.key(seed[0]), seed[1])
-    metadata = AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform)
-    out = attention(
-        query, key, value, bias=None if is_bool else attn_mask, mask=attn_mask if is_bool else None,
-        causal=is_causal, dropout_rng=rng, implementation=implementation, metadata=metadata, layout="BHTD",
-    )
-    return out.attention_outputs
+#: torch's SDPA on the XLA path: (B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev), mask, seed -> (B, Hq, L, Ev).
+_sdpa_jax = jax_op(calls.sdpa, name="jaxattn.sdpa", module=__name__)
 
 
 def scaled_dot_product_attention(

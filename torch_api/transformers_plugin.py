@@ -31,12 +31,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence, Union
 
-import jax
-import jax.numpy as jnp
 import torch
 
 from ..bridge import jax_op
-from ..jax_core import AttentionMetadata, attention
+from ..jax_core import calls
 from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
 from .native_flash import flash_forward
@@ -58,18 +56,8 @@ NO_EFFECT_KWARGS = frozenset({
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-@jax_op(name="jaxattn.hf_attention")
-def _features_jax(query, key, value, attn_mask, sinks, seed, *, causal, scale, softcap, dropout_p, implementation,
-                  platform):
-    """(B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev) arrays, soft cap and/or sinks -> (B, Hq, L, Ev)."""
-    is_bool = attn_mask is not None and attn_mask.dtype == jnp.bool_
-    rng = None if seed is None else jax.random.fold_in(jax.random.key(seed[0]), seed[1])
-    out = attention(
-        query, key, value, bias=None if is_bool else attn_mask, mask=attn_mask if is_bool else None, causal=causal,
-        logits_soft_cap=softcap, softmax_aux=sinks, dropout_rng=rng, implementation=implementation, layout="BHTD",
-        metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
-    )
-    return out.attention_outputs
+#: Soft cap and/or sinks on (B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev) tensors -> (B, Hq, L, Ev).
+_features_jax = jax_op(calls.sdpa_features, name="jaxattn.hf_attention", module=__name__)
 
 
 def _check_extra_kwargs(kwargs: dict[str, Any], attention_mask: Optional[torch.Tensor]) -> None:

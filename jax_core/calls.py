@@ -1,0 +1,147 @@
+"""The JAX functions behind the torch API's calls, in the layouts that API passes its tensors in.
+
+Each takes arrays positionally (None for an absent one) and static arguments (hashable Python
+constants) by keyword only, so that `jaxattn.bridge.jax_op` can run it on torch tensors: the
+torch API validates and translates torch arguments, then calls one of these through the bridge.
+
+Layouts: (B, Hq, L, E) queries, (B, Hk, S, E) keys, (B, Hk, S, Ev) values ("BHTD"); flash's
+varlen call takes packed (total, H, E) arrays with cu_seqlens; decode takes (B, Hq, T, D) queries
+against a cache in its own layout; ring takes global arrays sharded over a device mesh. `seed` is None or an int32 (2,) array; dropout draws its
+randomness from it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .decode import decode_attention
+from .dispatch import attention
+from .metadata import AttentionMetadata
+from .ring import ring_attention, ring_attention_backward
+
+
+def _dropout_rng(seed):
+    return None if seed is None else jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+
+
+def _mask_or_bias(attn_mask):
+    """(bias, mask): a boolean mask selects (True = attend), any other is added to the logits."""
+    if attn_mask is not None and attn_mask.dtype == jnp.bool_:
+        return None, attn_mask
+    return attn_mask, None
+
+
+def sdpa(query, key, value, attn_mask, seed, *, is_causal, scale, dropout_p, implementation, platform):
+    """torch's scaled_dot_product_attention: (B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev) -> (B, Hq, L, Ev)."""
+    bias, mask = _mask_or_bias(attn_mask)
+    metadata = AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform)
+    out = attention(
+        query, key, value, bias=bias, mask=mask, causal=is_causal, dropout_rng=_dropout_rng(seed),
+        implementation=implementation, metadata=metadata, layout="BHTD",
+    )
+    return out.attention_outputs
+
+
+def sdpa_features(query, key, value, attn_mask, sinks, seed, *, causal, scale, softcap, dropout_p, implementation,
+                  platform):
+    """`sdpa` with a logits soft cap and/or attention sinks (as transformers' models pass them)."""
+    bias, mask = _mask_or_bias(attn_mask)
+    out = attention(
+        query, key, value, bias=bias, mask=mask, causal=causal, logits_soft_cap=softcap, softmax_aux=sinks,
+        dropout_rng=_dropout_rng(seed), implementation=implementation, layout="BHTD",
+        metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
+    )
+    return out.attention_outputs
+
+
+def _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
+           causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, return_lse, implementation,
+           platform):
+    """(B, Hq, L, E) / (B, Hk, S, E|Ev) arrays, or packed (total, H, E) ones with cu_seqlens."""
+    varlen = cu_seqlens_q is not None
+    segment_ids = cu_seqlens = None
+    if q_segment_ids is not None:
+        kv_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        segment_ids = (q_segment_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+    if varlen:  # (total, H, E) -> (1, total, H, E): a free reshape
+        query, key, value = query[None], key[None], value[None]
+        cu_seqlens = (cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32))
+    out = attention(
+        query, key, value, causal=causal, causal_alignment=causal_alignment, sliding_window=window,
+        logits_soft_cap=softcap, softmax_aux=sinks, dropout_rng=_dropout_rng(seed), return_lse=return_lse,
+        implementation=implementation, layout="BTHD" if varlen else "BHTD", segment_ids=segment_ids,
+        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
+    )
+    result, lse = out.attention_outputs, out.lse
+    if varlen:  # (1, total_q, Hq, Ev) -> (total_q, Hq, Ev); LSE (1, Hq, total_q) -> (Hq, total_q)
+        result, lse = result[0], None if lse is None else lse[0]
+    return (result, lse) if return_lse else result
+
+
+def flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
+          causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation, platform):
+    """The flash-attention features call: the output, (B, Hq, L, Ev) or packed (total_q, Hq, Ev)."""
+    return _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
+                  causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap, scale=scale,
+                  dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=False, implementation=implementation,
+                  platform=platform)
+
+
+def flash_with_lse(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
+                   causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation, platform):
+    """`flash` and the float32 log-sum-exp, (B, Hq, L) or (Hq, total_q)."""
+    return _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
+                  causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap, scale=scale,
+                  dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=True, implementation=implementation,
+                  platform=platform)
+
+
+def _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
+            kernel, platform, return_lse):
+    out = decode_attention(
+        q, k_cache, v_cache, lengths, starts=starts, block_table=block_table, sliding_window=window,
+        logits_soft_cap=softcap, softmax_aux=sinks, cache_layout=cache_layout, query_layout="BHTD", kernel=kernel,
+        return_lse=return_lse, metadata=AttentionMetadata(softmax_scale=scale, platform=platform),
+    )
+    return (out.attention_outputs, out.lse) if return_lse else out.attention_outputs
+
+
+def decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout, kernel,
+           platform):
+    """(B, Hq, T, D) queries against a KV cache -> (B, Hq, T, Dv)."""
+    return _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
+                   scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=False)
+
+
+def decode_with_lse(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
+                    kernel, platform):
+    """`decode` and the (B, Hq, T) float32 log-sum-exp."""
+    return _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
+                   scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=True)
+
+
+def _swap(x):
+    return jnp.swapaxes(x, 1, 2)
+
+
+def ring(query, key, value, q_segment_ids, kv_segment_ids, *, mesh, **options):
+    """Ring attention over the 1-D `mesh` on global (B, Hq, L, E) / (B, Hk, S, E|Ev) arrays sharded
+    along L and S, segment ids (B, L) / (B, S) or None -> (output (B, Hq, L, Ev), float32 LSE (B, Hq, L)).
+
+    `options` are `ring_attention`'s static keyword arguments (causal, sliding_window, scale, ...).
+    """
+    segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    out, lse = ring_attention(_swap(query), _swap(key), _swap(value), segment_ids=segment_ids, return_lse=True,
+                              mesh=mesh, axis_name=mesh.axis_names[0], **options)
+    return _swap(out), lse
+
+
+def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, out, lse, d_out, d_lse, *, mesh, **options):
+    """The gradients (dq, dk, dv) of `ring` from its saved output and LSE and their cotangents (no
+    forward recompute)."""
+    segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    grads = ring_attention_backward(_swap(query), _swap(key), _swap(value), _swap(out), lse, _swap(d_out), d_lse,
+                                    segment_ids=segment_ids, mesh=mesh, axis_name=mesh.axis_names[0], **options)
+    return tuple(_swap(g) for g in grads)
