@@ -152,7 +152,7 @@ def test_launch_choices_reach_the_launch(monkeypatch):
     for cfg in (tuned, small):
         out, lse = decode_attention_triton(_j(q), _j(kc), _j(vc), _j(LENGTHS), _j(STARTS), None, None, cfg)
         _check(out, lse, q, k, v)
-    attend_tuned, attend_small = launches[0], launches[2]  # each call: attention, then merge
+    attend_tuned, attend_small = launches[1], launches[4]  # each call: segment table, attention, merge
     block_n, warps, stages = dj.decode_tiles(D, D, 4)
     segments = B * HKV  # one row block per KV head here
     assert attend_tuned["grid"] == (dj.STREAM_PROGRAMS_PER_SM * dj._device_sms(),)

@@ -1,7 +1,9 @@
-"""The native launcher on CUDA: streams, CUDA graphs, torch.compile and transformers' static cache.
+"""The native launcher on CUDA: streams, CUDA graphs, torch.compile and transformers' static cache;
+the decode kernels launched from torch too.
 
 Skipped without a CUDA device. The oracle is the same call through torch's own SDPA (or the eager
-native call where the point is that a captured or compiled call replays it exactly).
+native call where the point is that a captured or compiled call replays it exactly); for decode,
+the float64 reference of tests/attention_reference.py and the JAX launcher's bits.
 """
 
 import pytest
@@ -9,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from jaxattn.bridge import cache_info
-from jaxattn.torch_api import flash_attention, register_transformers, scaled_dot_product_attention, sdpa_launcher
+from jaxattn.torch_api import (decode_attention, flash_attention, register_transformers, scaled_dot_product_attention,
+                               sdpa_launcher)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEV = "cuda"
@@ -237,3 +240,125 @@ def test_xla_launcher_forced_for_parity_work():
     assert cache_info().misses + cache_info().hits > before.misses + before.hits
     native = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, implementation="flash")
     assert torch.equal(out, native)  # one kernel source, two launchers, the same bits
+
+
+# --- decode: the decode kernels launched from torch (torch_api/native_decode.py) ------------------
+
+
+def _decode_inputs(layout, *, t=1, seed=0, b=5, hq=16, hkv=4, s=1008, d=128, dtype=torch.bfloat16):
+    """q (B, Hq, T, D), the cache in `layout` (ragged lengths with starts; paged: 16-position pages
+    in a shuffled order), its dense (B, S, Hkv, D) twin for the oracle, and (Hq,) sink logits."""
+    from decode_cases import layout_cache, ragged_cache
+
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    lengths = torch.tensor([1, s, 517, 0, 64], dtype=torch.int32, device=DEV)[:b]
+    starts = torch.tensor([0, 0, 100, 0, 63], dtype=torch.int32, device=DEV)[:b]
+    q = torch.randn(b, hq, t, d, generator=gen, device=DEV).to(dtype)
+    k, v = ragged_cache(gen, b, s, hkv, d, lengths, starts, dtype=dtype, device=DEV)
+    k, v = torch.nan_to_num(k), torch.nan_to_num(v)
+    kc, vc, table = layout_cache(k, v, layout, gen=gen, page_size=16)
+    sinks = torch.randn(hq, generator=gen, device=DEV)
+    return q, kc, vc, table, lengths, starts, sinks, (k, v)
+
+
+def _needs_jax_triton():
+    import importlib.util
+
+    if importlib.util.find_spec("jax_triton") is None:
+        pytest.skip("the XLA decode path on CUDA needs jax-triton (pip install 'jaxattn[gpu]')")
+
+
+@pytest.mark.parametrize("layout,t", [("BSHD", 1), ("BHSD", 1), ("paged", 1), ("paged", 4)])
+def test_native_decode_bit_identical_to_the_jax_launch(layout, t):
+    """bf16, GQA, ragged lengths with starts, window, soft cap and sinks: the torch launcher (the
+    default on CUDA, no XLA executable) and the JAX launcher (forced with sdpa_launcher("xla")) run
+    the same kernels with the same plan and give the same bits; both meet the float64 oracle."""
+    from attention_reference import assert_dtype_rule, decode_reference
+
+    _needs_jax_triton()
+    q, kc, vc, table, lengths, starts, sinks, (k, v) = _decode_inputs(layout, t=t, seed=len(layout) + t)
+    kw = dict(cache_starts=starts, block_table=table, window=300, softcap=30.0, sinks=sinks, return_lse=True,
+              cache_layout="BHSD" if layout == "BHSD" else "BSHD")
+    before = cache_info()
+    out, lse = decode_attention(q, kc, vc, lengths, **kw)
+    assert cache_info() == before, "an XLA executable ran for a native decode call"
+    with sdpa_launcher("xla"):
+        xla_out, xla_lse = decode_attention(q, kc, vc, lengths, **kw)
+    after = cache_info()
+    assert after.hits + after.misses > before.hits + before.misses
+    assert torch.equal(out, xla_out) and torch.equal(lse, xla_lse)
+    ref, _ = decode_reference(q, k, v, lengths, starts, window=300, softcap=30.0, sinks=sinks)
+    low, _ = decode_reference(q, k, v, lengths, starts, window=300, softcap=30.0, sinks=sinks, dtype=torch.bfloat16)
+    assert_dtype_rule("out", out, ref, low, floor=1e-3)
+
+
+def test_repeated_native_decode_calls_take_the_direct_launch(monkeypatch):
+    """After the first call of a signature, a decode step's three launches (segment table, stream
+    kernel, merge) go straight to the compiled kernels: no planning, no Triton argument binding."""
+    from jaxattn.bridge.triton_launch import KernelLaunch
+    from jaxattn.torch_api import native_decode
+
+    q, kc, vc, table, lengths, starts, sinks, _ = _decode_inputs("paged")
+    call = lambda: decode_attention(q, kc, vc, lengths, cache_starts=starts, block_table=table)  # noqa: E731
+    first = call()
+    planned, direct, binder = [], [], []
+    plan, fast, kwargs = native_decode._plan_launches, KernelLaunch._fast, KernelLaunch._kwargs
+    monkeypatch.setattr(native_decode, "_plan_launches", lambda *a: planned.append(1) or plan(*a))
+    monkeypatch.setattr(KernelLaunch, "_fast", lambda self, *a: (direct.append(1), fast(self, *a))[1])
+    monkeypatch.setattr(KernelLaunch, "_kwargs", lambda self, t: binder.append(1) or kwargs(self, t))
+    lengths.add_(3).clamp_(max=kc.shape[1] * table.shape[1])  # the next step's lengths, in place
+    again = call()
+    assert planned == [] and binder == [] and len(direct) == 3
+    assert not torch.equal(first, again)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_native_decode_under_torch_compile_fullgraph(mode):
+    """A compiled decode step (paged, sinks, window) equals the eager native call bit for bit, with
+    new lengths each call and no XLA executable."""
+    q, kc, vc, table, lengths, starts, sinks, _ = _decode_inputs("paged", t=2, seed=9)
+
+    def step(q, kc, vc, lengths, starts, table, sinks):
+        out, lse = decode_attention(q, kc, vc, lengths, cache_starts=starts, block_table=table, sinks=sinks,
+                                    window=200, return_lse=True)
+        return out.float() * 2, lse
+
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    before = cache_info()
+    for shift in (0, 5, 40):  # reduce-overhead records a CUDA graph after warm-up runs
+        new_lengths = (lengths + shift).clamp(max=kc.shape[1] * table.shape[1])
+        got = compiled(q, kc, vc, new_lengths, starts, table, sinks)
+        want = step(q, kc, vc, new_lengths, starts, table, sinks)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"shift {shift}"
+    assert cache_info() == before
+
+
+def test_native_decode_cuda_graph_replays_with_new_lengths():
+    """A captured decode step replays with the lengths (and queries) written in place between
+    replays: the segment table is computed on the device from the lengths of the replay."""
+    q, kc, vc, table, lengths, starts, sinks, _ = _decode_inputs("BSHD", t=1, seed=4)
+    static_lengths = lengths.clone()
+
+    def call():
+        return decode_attention(q, kc, vc, static_lengths, cache_starts=starts, sinks=sinks, window=400,
+                                return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for seed in (1, 2):
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        static_lengths.copy_(torch.randint(0, kc.shape[1] + 1, lengths.shape, generator=gen, device=DEV,
+                                           dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=gen, device=DEV, dtype=q.dtype))
+        graph.replay()
+        eager = call()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, eager):
+            assert torch.equal(got, want), f"replay {seed}"

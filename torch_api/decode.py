@@ -31,6 +31,7 @@ import torch
 from ..bridge import jax_op
 from ..jax_core import calls
 from ..jax_core.base import DECODE_MAX_QUERY_LEN
+from . import native_decode
 from .validation import AttentionInputError, check_finite, describe
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -160,12 +161,21 @@ def decode_attention(
     Returns:
         (B, Hq, T, Dv) tensor in q's dtype; (out, lse) with `return_lse`.
 
+    Launchers: with kernel None or "triton", the Triton kernels are launched from torch
+    (`native_decode`: on torch's stream, no XLA executable, CUDA-graph and torch.compile safe)
+    wherever they can run the call: on CUDA under `sdpa_launcher("auto")` (the default), and under
+    `sdpa_launcher("native")` also on CPU tensors with TRITON_INTERPRET=1 (there "native" raises
+    ValueError, with the reasons, for a call it cannot run). `sdpa_launcher("xla")`, other kernels,
+    and calls that need gradients run through the XLA bridge (the same Triton kernels on CUDA,
+    launched by jax-triton).
+
     Differentiable (gradients follow the XLA formulation, not the kernels: meant for inference).
 
     Raises:
         AttentionInputError (a ValueError and RuntimeError): malformed arguments.
         TypeError: arguments of the wrong type.
-        ValueError: the kernel cannot run here (with reasons).
+        ValueError: the kernel cannot run here, or `sdpa_launcher("native")` cannot run the call
+            (with reasons).
     """
     paged = block_table is not None
     if cache_layout not in ("BSHD", "BHSD"):
@@ -208,6 +218,12 @@ def decode_attention(
     if paged:
         _check_pages(block_table, lengths, starts, k_cache.shape[1], k_cache.shape[0])
     check_finite({"q": q, "sinks": sinks})
+    # The Triton kernels launched from torch (no XLA runtime on the call path) where they run the call.
+    native = native_decode.native_spec(q, k_cache, v_cache, sinks, window=window, softcap=softcap, scale=scale,
+                                       cache_layout="paged" if paged else cache_layout, kernel=kernel)
+    if native is not None:
+        return native_decode.decode_native(native, q, k_cache, v_cache, lengths, starts, block_table, sinks,
+                                           return_lse)
     op = _decode_lse_jax if return_lse else _decode_jax
     return op(
         q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window,

@@ -11,6 +11,8 @@ run them through JAX, and in place of the XLA paths where the native launch meas
 (`prefer_native`). The native launcher runs on CUDA tensors, and on CPU tensors under Triton's
 interpreter (TRITON_INTERPRET=1, for tests), with no XLA executable on the call path. Everything
 JAX composes (cuDNN through `jax.nn`, ring, vanilla, TPU, CPU) stays on the XLA bridge.
+`decode_attention` follows the same launchers with its own kernels (`native_decode`): "auto" runs
+them natively on CUDA for calls without gradients.
 """
 
 from __future__ import annotations
