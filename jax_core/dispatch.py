@@ -6,6 +6,7 @@ import functools
 from typing import Literal, Optional
 
 import jax
+import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput, Layout
 from .capabilities import AttentionInputs, CausalAlignment
@@ -117,3 +118,11 @@ def explain_selection(query, key, value, *, implementation=None, **call) -> tupl
     inputs, metadata = call_inputs(query, key, value, **call)
     impl_cls, reason = AttentionRegistry.select_with_reason(inputs, metadata, implementation)
     return impl_cls.canonical_name(), reason
+
+
+def explain_shapes(q_shape, k_shape, dtype: str, *, implementation=None, **call) -> tuple[str, str]:
+    """`explain_selection` for arrays described by their shapes (query `q_shape`, key and value
+    `k_shape`) and dtype name ("bfloat16", ...), without creating them."""
+    q = jax.ShapeDtypeStruct(tuple(q_shape), jnp.dtype(dtype))
+    k = jax.ShapeDtypeStruct(tuple(k_shape), jnp.dtype(dtype))
+    return explain_selection(q, k, k, implementation=implementation, **call)

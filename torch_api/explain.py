@@ -2,7 +2,7 @@
 
 `explain_sdpa` asks the same two decisions a real call makes, in the same order: the launcher's
 (`launch.native_decision`: the native Triton launch on CUDA, or the XLA bridge) and, on the XLA
-bridge, jax_core's selection (`dispatch.explain_selection`). `jaxattn doctor` prints it for a
+bridge, jax_core's selection (`dispatch.explain_shapes`). `jaxattn doctor` prints it for a
 typical prefill and decoding call.
 """
 
@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..jax_core import AttentionMetadata
-from ..jax_core.dispatch import explain_selection
+from ..jax_core.dispatch import explain_shapes
 from .launch import call_features, current_launcher, describe, native_decision
 from .selection import current_implementation, normalize_choice
 
@@ -47,15 +47,9 @@ def explain_sdpa(q_shape, k_shape, dtype: torch.dtype, device, *, is_causal: boo
     native, why = native_decision(inputs, device, choice, current_launcher())
     if native:
         return Choice("flash", "native", why)
-    import jax
-    import jax.numpy as jnp
-
-    jdtype = jnp.dtype(str(dtype).removeprefix("torch."))
-    q = jax.ShapeDtypeStruct(tuple(q_shape), jdtype)
-    k = jax.ShapeDtypeStruct(tuple(k_shape), jdtype)
     platform = "cpu" if device.type == "cpu" else "gpu"  # as torch_api/sdpa.py passes it to the bridge
-    name, selected = explain_selection(q, k, k, causal=is_causal, implementation=choice, layout="BHTD",
-                                       metadata=AttentionMetadata(platform=platform))
+    name, selected = explain_shapes(q_shape, k_shape, str(dtype).removeprefix("torch."), causal=is_causal,
+                                    implementation=choice, layout="BHTD", metadata=AttentionMetadata(platform=platform))
     return Choice(name, "xla", f"{why}; {selected}")
 
 
