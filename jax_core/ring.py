@@ -662,7 +662,7 @@ class RingAttn(AttentionImpl):
             query, key, value, mesh=md.mesh, axis_name=md.sequence_axis_name, causal=causal,
             sliding_window=None if sliding_window is None else tuple(sliding_window),
             logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, segment_ids=segment_ids,
-            scale=md.scale_for(query.shape[-1]), kernel=None if md.platform is None else default_kernel(md.platform),
+            scale=md.scale_for(query.shape[-1]), kernel=None,  # the mesh's devices choose (`default_kernel`)
             batch_axis=pa.batch_axis, head_axis=pa.head_axis, chunk_q=md.blocksize_q, chunk_k=md.blocksize_k,
             return_lse=True,
         )
