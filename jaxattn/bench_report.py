@@ -262,7 +262,8 @@ def write_outputs(rows: Sequence[dict], meta: dict, out_dir: str, *, plots: bool
         try:
             written = write_plots(rows, meta, out_dir)
         except ImportError:
-            notes.append("matplotlib is not installed: no PNG plots (pip install 'jaxattn[bench]').")
+            notes.append("matplotlib is not installed: no PNG plots (the bench extra: pip install -e '.[bench]' in "
+                         "the jaxattn checkout).")
         else:
             notes.append("wrote " + ", ".join(os.path.join(out_dir, p) for p in written))
     return notes
