@@ -2,7 +2,7 @@
 `decode_attention` over a KV cache for every new token, checked token for token against the same
 model recomputed from scratch with torch's own SDPA at each step.
 
-    python examples/generate_tiny.py [--device cuda] [--paged] [--steps 24]
+    python examples/generate_tiny.py [--device cpu|cuda] [--paged] [--steps 24]
 
 The prompts have different lengths and are left-padded: the cache's `starts` hold the padding
 counts, so padded positions are never attended (and positions are counted from each prompt's first
@@ -14,11 +14,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from cli_options import add_device_option, positive_int, resolve_device
 
-from jaxattn.torch_api import KVCache, scaled_dot_product_attention
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_option(parser)
+    parser.add_argument("--steps", type=positive_int, default=24, help="tokens generated per prompt (default 24)")
+    parser.add_argument("--paged", action="store_true", help="only the paged cache (default: both layouts)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and bad options answer here, before the imports below (torch takes seconds)
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from jaxattn.torch_api import KVCache, scaled_dot_product_attention  # noqa: E402
 
 
 class TinyDecoder(nn.Module):
@@ -132,11 +146,9 @@ def generate_cached(model, prompts, steps, device, paged=False):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--paged", action="store_true", help="only the paged cache (default: both layouts)")
+    parser = build_parser()
     args = parser.parse_args(argv)
+    args.device = resolve_device(parser, args.device)
     model = TinyDecoder().to(args.device).eval()
     prompts = [[5, 17, 3], [9, 1, 44, 20, 61, 2, 7, 13], [30, 31, 32, 33, 34]]
     expected = generate_reference(model, prompts, args.steps, args.device)

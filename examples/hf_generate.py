@@ -1,7 +1,7 @@
 """Generation with a Hugging Face transformers model whose attention runs in jaxattn.
 
-    pip install "jaxattn[hf]"
-    python examples/hf_generate.py [--device cuda] [--new-tokens 16] [--model llama|gemma2] [--dynamic-cache]
+    pip install -e ".[hf]"        # from the jaxattn checkout: transformers
+    python examples/hf_generate.py [--device cpu|cuda] [--new-tokens 16] [--model llama|gemma2] [--dynamic-cache]
 
 One call, `register_transformers()`, makes "jaxattn" an `attn_implementation`: the model runs its
 prefill (all prompt tokens at once, left-padded batch) and every decoding step through jaxattn.
@@ -20,10 +20,30 @@ import argparse
 import sys
 import time
 
-import torch
+from cli_options import add_device_option, positive_int, resolve_device
 
-from jaxattn.bridge import cache_info
-from jaxattn.torch_api import register_transformers
+PROMPT_LEN, MAX_POSITIONS = 11, 256  # the padded prompts' length; the tiny models' position limit
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_option(parser)
+    parser.add_argument("--new-tokens", type=positive_int, default=16,
+                        help=f"tokens generated after each prompt (default 16, at most {MAX_POSITIONS - PROMPT_LEN})")
+    parser.add_argument("--model", default="llama", choices=("llama", "gemma2"),
+                        help="llama (grouped-query attention) or gemma2 (sliding window, soft cap); default llama")
+    parser.add_argument("--dynamic-cache", action="store_true",
+                        help="transformers' default dynamic cache, grown each step (default: a static cache)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and bad options answer here, before the imports below (torch takes seconds)
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+
+from jaxattn.bridge import cache_info  # noqa: E402
+from jaxattn.torch_api import register_transformers  # noqa: E402
 
 
 def tiny_model(kind: str, device: str):
@@ -32,7 +52,7 @@ def tiny_model(kind: str, device: str):
 
     torch.manual_seed(0)
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=MAX_POSITIONS)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif kind == "gemma2":  # sliding-window and full layers, logits soft cap
@@ -52,17 +72,17 @@ def generate(model, impl: str, ids, mask, new_tokens: int, cache: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--model", default="llama", choices=("llama", "gemma2"))
-    parser.add_argument("--dynamic-cache", action="store_true", help="grow the KV cache each step")
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if PROMPT_LEN + args.new_tokens > MAX_POSITIONS:
+        parser.error(f"--new-tokens {args.new_tokens}: expected at most {MAX_POSITIONS - PROMPT_LEN} (the tiny "
+                     f"models hold {MAX_POSITIONS} positions; prompts take {PROMPT_LEN})")
+    args.device = resolve_device(parser, args.device)
 
     name = register_transformers()  # "jaxattn"
     model = tiny_model(args.model, args.device)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 128, (3, 11), generator=g).to(args.device)
+    ids = torch.randint(1, 128, (3, PROMPT_LEN), generator=g).to(args.device)
     mask = torch.ones_like(ids)
     mask[0, :6] = 0  # prompts of 5, 11 and 9 tokens, left-padded
     mask[2, :2] = 0

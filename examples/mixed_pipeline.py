@@ -1,7 +1,7 @@
 """A mixed torch/JAX pipeline: a torch encoder feeds a JAX function through the bridge, and back, with
 gradients end to end.
 
-    python examples/mixed_pipeline.py [--device cuda] [--steps 30]
+    python examples/mixed_pipeline.py [--device cpu|cuda] [--steps 30]
 
     torch: token ids -> embedding -> transformer block (attention: jaxattn's drop-in, padding mask)
     JAX:   features -> attention pooling with learned per-head queries (jaxattn.jax_core.attention)
@@ -20,15 +20,31 @@ import argparse
 import copy
 import sys
 
-import jax.numpy as jnp
-import torch
-import torch.nn.functional as F
-from torch import nn
+from cli_options import add_device_option, positive_int, resolve_device
 
-from jaxattn.bridge import jax_op
-from jaxattn.jax_core import attention
-from jaxattn.testing import compare
-from jaxattn.torch_api import scaled_dot_product_attention
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_option(parser)
+    parser.add_argument("--steps", type=positive_int, default=30, help="training steps after the check (default 30)")
+    parser.add_argument("--batch", type=positive_int, default=32, help="sequences per batch (default 32)")
+    parser.add_argument("--length", type=positive_int, default=24,
+                        help="tokens per sequence before padding (default 24; at least 2)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and bad options answer here, before the imports below (torch takes seconds)
+    build_parser().parse_args()
+
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from jaxattn.bridge import jax_op  # noqa: E402
+from jaxattn.jax_core import attention  # noqa: E402
+from jaxattn.testing import compare  # noqa: E402
+from jaxattn.torch_api import scaled_dot_product_attention  # noqa: E402
 
 VOCAB, DIM, HEADS, CLASSES = 32, 32, 4, 2
 
@@ -92,12 +108,11 @@ def toy_batch(g: torch.Generator, batch: int, length: int, device: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--length", type=int, default=24)
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.length < 2:  # padding leaves at least length // 2 real tokens, so each sequence keeps one
+        parser.error(f"--length {args.length}: expected at least 2")
+    args.device = resolve_device(parser, args.device)
     torch.manual_seed(0)
     model = Pipeline(jax_head=True).to(args.device)
     twin = copy.deepcopy(model)

@@ -1,6 +1,6 @@
 """Quickstart: jaxattn's drop-in `scaled_dot_product_attention` on random tensors, checked against torch.
 
-    python examples/quickstart.py [--device cuda] [--seq 512]
+    python examples/quickstart.py [--device cpu|cuda] [--seq 512]
 
 1. The drop-in, called exactly like torch's F.scaled_dot_product_attention (GQA, causal, awkward
    sizes), forward and backward, compared with torch by the parity kit (`jaxattn.testing`).
@@ -14,19 +14,30 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-import torch.nn.functional as F
+from cli_options import add_device_option, positive_int, resolve_device
 
-from jaxattn.testing import compare
-from jaxattn.torch_api import patch_sdpa, scaled_dot_product_attention, sdpa_implementation
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_option(parser)
+    parser.add_argument("--seq", type=positive_int, default=257, help="query length L (keys: L + 33; default 257)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and bad options answer here, before the imports below (torch takes seconds)
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from jaxattn.testing import compare  # noqa: E402
+from jaxattn.torch_api import patch_sdpa, scaled_dot_product_attention, sdpa_implementation  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seq", type=int, default=257, help="query length L (keys: L + 33)")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    dev, seq = args.device, args.seq
+    dev, seq = resolve_device(parser, args.device), args.seq
     torch.manual_seed(0)
 
     # (N, Hq, L, E) queries; (N, Hk, S, E) keys and values with Hk = Hq / 4 (grouped-query attention)

@@ -60,11 +60,21 @@ def main(devices: int = 8, seq: int = 4096, heads: int = 8, kv_heads: int = 2, h
     return errors
 
 
-if __name__ == "__main__":
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices on the ring (default 8)")
+    parser.add_argument("--seq", type=int, default=4096,
+                        help="sequence length, a multiple of 2 * --devices (zigzag layout; default 4096)")
+    return parser
+
+
+if __name__ == "__main__":
+    parser = build_parser()
     args = parser.parse_args()
+    if args.devices < 1:
+        parser.error(f"--devices {args.devices}: expected a positive integer")
+    if args.seq < 1 or args.seq % (2 * args.devices):
+        parser.error(f"--seq {args.seq}: expected a positive multiple of 2 * --devices = {2 * args.devices}")
     if "jax" in sys.modules:
         raise SystemExit("run this file as a script (JAX must start after XLA_FLAGS is set).")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

@@ -1,6 +1,6 @@
 """A nanoGPT-style character model trained a few steps with jaxattn's attention, next to torch's SDPA.
 
-    python examples/train_nanogpt.py [--device cuda] [--steps 50] [--layers 2] [--dim 64]
+    python examples/train_nanogpt.py [--device cpu|cuda] [--steps 50] [--layers 2] [--dim 64]
 
 Two copies of the same GPT (same initial weights, same batches, AdamW) are trained side by side:
 one computes attention with `jaxattn.torch_api.scaled_dot_product_attention`, the other with
@@ -15,11 +15,30 @@ import copy
 import math
 import sys
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from cli_options import add_device_option, positive_int, resolve_device
 
-from jaxattn.torch_api import scaled_dot_product_attention
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_option(parser)
+    parser.add_argument("--steps", type=positive_int, default=50, help="training steps of each copy (default 50)")
+    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per batch (default 16)")
+    parser.add_argument("--block", type=positive_int, default=64, help="context length T (default 64)")
+    parser.add_argument("--dim", type=positive_int, default=64, help="model width, a multiple of --heads (default 64)")
+    parser.add_argument("--layers", type=positive_int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and bad options answer here, before the imports below (torch takes seconds)
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from jaxattn.torch_api import scaled_dot_product_attention  # noqa: E402
 
 TEXT = (
     "Attention weighs every earlier token by how well its key matches the current query, then mixes "
@@ -118,16 +137,13 @@ def train(model: GPT, steps: int, batch: int, block: int, data: torch.Tensor, de
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--block", type=int, default=64, help="context length T")
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim}: expected a multiple of --heads {args.heads} (each head gets dim / heads)")
+    if args.block > len(TEXT) - 2:
+        parser.error(f"--block {args.block}: expected at most {len(TEXT) - 2}, the training text's length minus 2")
+    args.device = resolve_device(parser, args.device)
 
     chars = sorted(set(TEXT))
     data = torch.tensor([chars.index(c) for c in TEXT])

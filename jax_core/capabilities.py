@@ -13,6 +13,7 @@ Shape legend (used across jax_core):
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any, Literal, Optional
 
 import jax.numpy as jnp
@@ -185,3 +186,25 @@ class Capabilities:
 
 
 ALL_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+# --- packages the GPU kernels need -----------------------------------------------------------------
+
+#: How to install the GPU kernels' packages, the way the README installs jaxattn (from its checkout).
+GPU_EXTRA_HINT = "the gpu extra: pip install -e '.[gpu]' in the jaxattn checkout"
+#: (module imported, package name) of each package the Triton kernels need under JAX.
+GPU_PACKAGES = (("triton", "triton"), ("jax_triton", "jax-triton"))
+
+
+def has_module(name: str) -> bool:
+    """Whether `name` can be imported here (found without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_gpu_packages() -> list[str]:
+    """One reason per package of GPU_PACKAGES that is not installed, each with the install hint."""
+    return [f"{package} is not installed ({GPU_EXTRA_HINT})" for module, package in GPU_PACKAGES
+            if not has_module(module)]

@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from typing import Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from .base import DECODE_MAX_QUERY_LEN, AttentionImpl, AttentionOutput
-from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities
+from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata, backend_of, platform_of
 from .registry import AttentionRegistry
 from .vanilla import reference_attention
@@ -56,13 +55,6 @@ Kernel = Literal["triton", "pallas", "xla"]
 CacheLayout = Literal["BSHD", "BHSD", "paged"]
 _KERNEL_OF_PLATFORM = {"gpu": "triton", "tpu": "pallas", "cpu": "xla"}
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks", "lse", "backward"})
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,9 +401,7 @@ def kernel_reasons(kernel: str, platform: str, dtype: str) -> list[str]:
     if kernel == "triton":
         if platform != "gpu":
             reasons.append(f"the Triton kernel runs on gpu, not {platform} (kernel='xla' runs anywhere)")
-        for module, extra in (("triton", "triton"), ("jax_triton", "jax-triton")):
-            if not _has_module(module):
-                reasons.append(f"{extra} is not installed (pip install 'jaxattn[gpu]')")
+        reasons += missing_gpu_packages()
     if kernel == "pallas" and platform != "tpu":
         reasons.append(f"the Pallas kernel runs on tpu, not {platform} (kernel='xla' runs anywhere)")
     if kernel != "xla" and dtype == "float64":

@@ -18,14 +18,13 @@ CPU: no flash kernel; forcing `flash` raises with the reasons, automatic selecti
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput
-from .capabilities import AttentionInputs, Capabilities
+from .capabilities import AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
 
@@ -35,13 +34,6 @@ _GPU_FEATURES = frozenset(
 )
 # The Pallas TPU kernel keeps its log-sum-exp internal: "lse" is not among these.
 _TPU_FEATURES = frozenset({"causal", "bias", "segment_ids", "backward"})
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 @AttentionRegistry.register
@@ -67,9 +59,7 @@ class FlashAttn(AttentionImpl):
         if inputs.platform == "cpu":
             reasons.append("no flash kernel on cpu (use 'sdpa' or 'vanilla')")
         if inputs.platform == "gpu":
-            for module, extra in (("triton", "triton"), ("jax_triton", "jax-triton")):
-                if not _has_module(module):
-                    reasons.append(f"{extra} is not installed (pip install 'jaxattn[gpu]')")
+            reasons += missing_gpu_packages()
             reasons += cls.triton_kernel_reasons(inputs)
         if inputs.platform == "tpu":
             for feature in sorted(inputs.features - _TPU_FEATURES):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import warnings
 from typing import Any, NamedTuple, Optional
 
@@ -46,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from . import ring_layout as rl
 from .base import AttentionImpl, AttentionOutput
 from .blockwise import Band, block_backward, block_forward
-from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities
+from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
 
@@ -594,13 +593,6 @@ def _sharded_ring_backward(mesh: Mesh, cfg: RingConfig, batch, head, permute: bo
 _FEATURES = frozenset({"causal", "gqa", "sliding_window", "softcap", "sinks", "segment_ids", "lse", "backward"})
 
 
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def sequence_axis_size(metadata: Optional[AttentionMetadata]) -> int:
     """Size of `metadata.sequence_axis_name` in `metadata.mesh` (0 without a mesh or that axis)."""
     if metadata is None or metadata.mesh is None:
@@ -641,9 +633,7 @@ class RingAttn(AttentionImpl):
             reasons.append(f"{'/'.join(sorted(positional))} needs q_len == kv_len in ring attention, got "
                            f"{inputs.q_len} and {inputs.kv_len}")
         if inputs.platform == "gpu":
-            for module, extra in (("triton", "triton"), ("jax_triton", "jax-triton")):
-                if not _has_module(module):
-                    reasons.append(f"{extra} is not installed (pip install 'jaxattn[gpu]')")
+            reasons += missing_gpu_packages()
             if inputs.dtype == "float64":
                 reasons.append("dtype float64 not supported by the GPU kernels")
             if max(inputs.head_dim, inputs.value_head_dim) > 256:

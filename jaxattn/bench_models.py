@@ -618,8 +618,8 @@ def _check_args(size: Optional[str], device: Optional[str], implementation: Opti
     try:
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise ImportError(f"jaxattn bench --models needs transformers >= 4.56 (pip install 'jaxattn[hf]'): {exc}") \
-            from exc
+        raise ImportError(f"jaxattn bench --models needs transformers >= 4.56 (the hf extra: pip install -e '.[hf]' "
+                          f"in the jaxattn checkout): {exc}") from exc
     return device, size
 
 

@@ -352,7 +352,8 @@ def write_outputs(rows: Sequence[dict], meta: dict, out_dir: str, *, plots: bool
         try:
             written = write_plots(rows, meta, out_dir)
         except ImportError:
-            notes.append("matplotlib is not installed: no PNG plots (pip install 'jaxattn[bench]').")
+            notes.append("matplotlib is not installed: no PNG plots (the bench extra: pip install -e '.[bench]' in "
+                         "the jaxattn checkout).")
         else:
             notes.append(f"wrote plots to {os.path.abspath(out_dir)}: {', '.join(written)}" if written else
                          f"no plots: no timed rows to draw in {out_dir}")

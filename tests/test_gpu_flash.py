@@ -14,7 +14,7 @@ from jaxattn.torch_api import flash_attention, scaled_dot_product_attention, sdp
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None, reason="needs jax-triton (pip install 'jaxattn[gpu]')"),
+    pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None, reason="needs jax-triton (the gpu extra: pip install -e '.[gpu]' in the jaxattn checkout)"),
 ]
 
 DEV = "cuda"

@@ -47,7 +47,7 @@ HAS_JAX_TRITON = importlib.util.find_spec("jax_triton") is not None
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-needs_triton = pytest.mark.skipif(not HAS_JAX_TRITON, reason="needs jax-triton (pip install 'jaxattn[gpu]')")
+needs_triton = pytest.mark.skipif(not HAS_JAX_TRITON, reason="needs jax-triton (the gpu extra: pip install -e '.[gpu]' in the jaxattn checkout)")
 needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA devices")
 
 DEV = "cuda"

@@ -218,8 +218,8 @@ def register_transformers(name: str = DEFAULT_NAME, implementation: Union[None, 
         `name`, to pass as `attn_implementation`.
 
     Raises:
-        ImportError: transformers is not installed (`pip install "jaxattn[hf]"`), or it has no
-            AttentionInterface / AttentionMaskInterface (transformers >= 4.56 has both).
+        ImportError: transformers is not installed (the hf extra: `pip install -e ".[hf]"` in the jaxattn
+            checkout), or it has no AttentionInterface / AttentionMaskInterface (transformers >= 4.56 has both).
         ValueError: `name` is one of transformers' own implementations, or `implementation` is unknown.
     """
     if not isinstance(name, str) or not name:
@@ -230,12 +230,13 @@ def register_transformers(name: str = DEFAULT_NAME, implementation: Union[None, 
     except ImportError as exc:
         raise ImportError(
             "register_transformers needs transformers with AttentionInterface and AttentionMaskInterface "
-            f"(>= 4.56): {exc}. Install it with pip install 'jaxattn[hf]'."
+            f"(>= 4.56): {exc}. Install it with the hf extra: pip install -e '.[hf]' in the jaxattn checkout."
         ) from exc
     if not hasattr(transformers, "AttentionInterface") or not hasattr(transformers, "AttentionMaskInterface"):
         raise ImportError(
             f"transformers {transformers.__version__} lacks AttentionInterface/AttentionMaskInterface; "
-            "upgrade it (pip install -U 'jaxattn[hf]')."
+            "upgrade it (pip install -U 'transformers>=4.56', or pip install -e '.[hf]' in the jaxattn "
+            "checkout)."
         )
     if name in ("eager", "sdpa", "flex_attention", "paged|eager") or name.startswith("flash_attention"):
         raise ValueError(f"name={name!r}: that is one of transformers' own implementations; pick another name.")
