@@ -265,7 +265,7 @@ def _needs_jax_triton():
     import importlib.util
 
     if importlib.util.find_spec("jax_triton") is None:
-        pytest.skip("the XLA decode path on CUDA needs jax-triton (pip install 'jaxattn[gpu]')")
+        pytest.skip("the XLA decode path on CUDA needs jax-triton (the gpu extra: pip install -e '.[gpu]')")
 
 
 @pytest.mark.parametrize("layout,t", [("BSHD", 1), ("BHSD", 1), ("paged", 1), ("paged", 4)])
