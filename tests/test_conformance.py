@@ -216,6 +216,11 @@ def _run_torch(impl, launcher, arrays, call, cot, feature):
 def test_declared_features_compute_and_others_raise(impl, launcher, feature, monkeypatch, request):
     if launcher != "jax" and feature in TORCH_INEXPRESSIBLE:
         pytest.skip(TORCH_INEXPRESSIBLE[feature])
+    if ON_GPU and (impl, feature) == ("ring", "backward"):
+        # Seen on an H100 host (jax 0.11.2): the ring's backward on a CPU mesh inside a CUDA process
+        # ends the process with a segmentation fault (a CPU-only process runs it); the ring's GPU
+        # coverage is tests/test_gpu_ring.py on a GPU mesh.
+        pytest.skip("ring backward on a CPU mesh in a CUDA process: crashes under jax 0.11.2 (test_gpu_ring covers GPU)")
     if (impl, launcher, feature) in KNOWN_GAPS:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[impl, launcher, feature]))
     # ring: positional masks need q_len == kv_len (a rule of its own, asserted below as a reason)
