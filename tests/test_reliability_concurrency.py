@@ -32,8 +32,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from thorough_grid import grid
 
+from thorough_grid import grid
 
 from jaxattn.bridge import cache_info, clear_cache, set_cache_size
 from jaxattn.bridge.cache import LRUCache
