@@ -39,7 +39,8 @@ settings.load_profile(os.environ.get("JAXATTN_HYPOTHESIS_PROFILE", "ci"))
 # representative grids, the Triton interpreter on the smallest shapes); `--thorough` adds the tests
 # and parametrisations marked `thorough`: exhaustive grids, randomized sweeps and long interpreter
 # runs. `pytest --thorough` is the whole suite; `pytest --thorough -m thorough` only what the default
-# run skips (CI runs `pytest`, then that).
+# run skips (CI runs `pytest`, then that). The Hypothesis profile is chosen apart from this option:
+# `--thorough` runs the randomized tests at the "ci" profile's counts.
 pytest_plugins = ("pytester",)  # tests/test_thorough_option.py runs this file in a scratch project
 
 THOROUGH_REASON = "thorough: exhaustive grid or long run; run with --thorough"

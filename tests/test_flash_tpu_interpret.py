@@ -38,7 +38,7 @@ def _inputs(seed, t=128, s=128, h=2, d=64):
     return q, k, v, bias
 
 
-@pytest.mark.parametrize("causal,with_bias", grid([False, True], [False, True], keep=[(True, True), (False, False)]))
+@pytest.mark.parametrize("causal,with_bias", grid([False, True], [False, True], keep=[(True, True)]))
 def test_pallas_tpu_flash_matches_reference(causal, with_bias):
     q, k, v, bias = _inputs(int(causal) * 2 + int(with_bias))
     bias = bias if with_bias else None

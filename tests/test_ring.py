@@ -293,6 +293,7 @@ def test_ring_refuses_what_it_cannot_do():
         ring_attention(q, q, q, mesh=md.mesh, kernel="pallas")
 
 
+@THOROUGH  # the same ring as test_ring_matches_reference, at 256 tokens
 def test_example_runs_small():
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "ring_simulated.py"
     spec = importlib.util.spec_from_file_location("ring_simulated", path)
