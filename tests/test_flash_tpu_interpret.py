@@ -81,7 +81,7 @@ def _segment_ids(t=256):
     return jnp.asarray(np.stack([q0, q1]), jnp.int32), jnp.asarray(np.stack([k0, k1]), jnp.int32)
 
 
-@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.thorough), True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.thorough), pytest.param(True, marks=pytest.mark.thorough)])
 def test_pallas_tpu_segment_ids_match_reference(causal):
     ks = jax.random.split(jax.random.key(11 + causal), 3)
     q, k, v = (jax.random.normal(key, (2, 256, 1, 64), jnp.float32) for key in ks)

@@ -183,6 +183,7 @@ def thread_choice(i: int, n: int) -> Optional[str]:
     return "vanilla" if (n + i // len(THREAD_CASES)) % 2 else None
 
 
+@pytest.mark.thorough  # by default: test_implementation_choice_does_not_leak_between_threads, test_fast_path.py
 def test_threads_with_own_shapes_choices_and_grads(fresh_cache):
     """8 threads x 200 calls: every output and gradient matches, choices stay per thread, counters add up."""
     stats = [dict(forward=0, backward=0, mismatches=[], leaks=[], max_size=0) for _ in range(N_THREADS)]

@@ -236,6 +236,7 @@ def test_causal_work_is_balanced_and_masked_steps_are_skipped():
             assert len(pieces) == 1 and pieces[0].q_len * pieces[0].k_len == 64 * 32 and pieces[0].band == (None, None)
 
 
+@THOROUGH  # compiles the sharded backward to read its HLO
 def test_inputs_in_layout_and_no_full_sequence_on_a_device():
     n, t = 4, 64
     q, k, v, cot, _, _ = _case(11, 1, 2, 2, t, t, 8)
@@ -303,6 +304,7 @@ def test_example_runs_small():
     assert max(errors.values()) < 1e-4
 
 
+@THOROUGH  # the torch ring's backward runs it by default (test_torch_full_tensors_shards_and_compile)
 def test_backward_from_saved_output_matches_oracle():
     """ring_attention_backward (used by the torch API) from the saved (out, lse), with padding
     (T=50 on 4 devices), segment ids, a window and an LSE cotangent."""
