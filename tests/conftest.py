@@ -3,6 +3,8 @@
 import os
 import shutil
 
+import pytest
+
 # Eight virtual CPU devices so that multi-device mesh tests run in-process.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -31,3 +33,29 @@ settings.register_profile(
 )
 settings.register_profile("thorough", settings.get_profile("ci"), max_examples=1000)
 settings.load_profile(os.environ.get("JAXATTN_HYPOTHESIS_PROFILE", "ci"))
+
+
+# The default run is the quick suite (every implementation, launcher, API and feature on
+# representative grids, the Triton interpreter on the smallest shapes); `--thorough` adds the tests
+# and parametrisations marked `thorough`: exhaustive grids, randomized sweeps and long interpreter
+# runs. `pytest --thorough` is the whole suite; `pytest --thorough -m thorough` only what the default
+# run skips (CI runs `pytest`, then that). The Hypothesis profile is chosen apart from this option:
+# `--thorough` runs the randomized tests at the "ci" profile's counts.
+pytest_plugins = ("pytester",)  # tests/test_thorough_option.py runs this file in a scratch project
+
+THOROUGH_REASON = "thorough: exhaustive grid or long run; run with --thorough"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--thorough", action="store_true", default=False,
+                     help="also run the tests marked thorough (exhaustive grids, randomized sweeps, "
+                          "long interpreter runs)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--thorough"):
+        return
+    skip = pytest.mark.skip(reason=THOROUGH_REASON)
+    for item in items:
+        if item.get_closest_marker("thorough") is not None:
+            item.add_marker(skip)

@@ -633,6 +633,7 @@ def test_import_bridge_turns_off_preallocation():
     assert _run_py(_PRINT_AFTER_BRIDGE, _clean_env()) == "'false'"
 
 
+@pytest.mark.thorough  # another fresh process; the default run keeps the two around it
 def test_import_bridge_respects_user_memory_settings():
     assert _run_py(_PRINT_AFTER_BRIDGE, _clean_env(XLA_PYTHON_CLIENT_MEM_FRACTION=".5")) == "None"
 

@@ -141,6 +141,7 @@ _EXPORTER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.thorough  # a fresh process importing torch and jax; in-process: the test below
 def test_exported_program_runs_in_a_fresh_process(tmp_path):
     """torch.export (like torch.compile's caches) keeps the key in the graph; a process that loads
     it never traced the call, so its table is empty and the key is decoded."""

@@ -58,6 +58,7 @@ LAUNCHERS = {
     "torch_native": ("flash",),
 }
 CASES = [(impl, launcher) for launcher, impls in LAUNCHERS.items() for impl in impls]
+THOROUGH_CASES = {("vanilla", "torch_xla"), ("sdpa", "torch_xla")}
 TORCH_INEXPRESSIBLE = {"weights": "the torch API returns no attention weights"}
 #: Known gaps (strict: an unexpected pass fails, so a fix shows). The native launcher runs no packed
 #: call: torch_api/flash.py asks `native_config` only without segment ids and cu_seqlens, so under
@@ -212,7 +213,10 @@ def _run_torch(impl, launcher, arrays, call, cot, feature):
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("impl,launcher", CASES, ids=[f"{i}-{lnch}" for i, lnch in CASES])
+# vanilla and sdpa through the XLA bridge are thorough here: test_torch_sdpa_parity.py runs them by default
+@pytest.mark.parametrize("impl,launcher", [
+    pytest.param(impl, launcher, marks=pytest.mark.thorough) if (impl, launcher) in THOROUGH_CASES else (impl, launcher)
+    for impl, launcher in CASES], ids=[f"{i}-{lnch}" for i, lnch in CASES])
 def test_declared_features_compute_and_others_raise(impl, launcher, feature, monkeypatch, request):
     if launcher != "jax" and feature in TORCH_INEXPRESSIBLE:
         pytest.skip(TORCH_INEXPRESSIBLE[feature])

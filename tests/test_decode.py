@@ -38,6 +38,9 @@ GRID = [(layout, groups, t, name)
         for i, (groups, t) in enumerate([(1, 1), (4, 4), (8, 1), (1, 4), (4, 1), (8, 4)])
         for name in (list(FEATURES)[(i + len(layout)) % 4],)]
 GRID += [(layout, 4, 4, "all") for layout in ("BSHD", "BHSD", "paged")]
+# the default run keeps "all" per layout and the first case of each single feature; --thorough the rest
+_KEPT = {case for case in GRID if case[3] == "all"} | {next(c for c in GRID if c[3] == f) for f in FEATURES}
+GRID = [case if case in _KEPT else pytest.param(*case, marks=pytest.mark.thorough) for case in GRID]
 
 
 def _case(seed, groups, t, *, dtype=torch.float32, dv=D, starts=STARTS, lengths=LENGTHS):
@@ -84,7 +87,7 @@ def test_xla_with_window_softcap_and_sinks_matches_the_oracle():
     _close(lse, want_lse, 2e-6)  # sinks: every row has a finite LSE
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.thorough)])
 def test_low_precision_on_cpu(dtype):
     gen, q, k, v, sinks = _case(11, 4, 4, dtype=dtype)
     kc, vc, table = layout_cache(k, v, "paged", gen=gen)
@@ -133,8 +136,8 @@ def test_gradients_follow_the_reference():
 
 
 @pytest.mark.parametrize("causal,alignment,window,t,layout", [
-    (True, "bottom_right", (4, 1), 4, "BTHD"), (True, "top_left", None, 4, "BHTD"),
-    (False, "top_left", (3, 2), 4, "BTHD"), (False, "bottom_right", (5, -1), 1, "BHTD"),
+    (True, "bottom_right", (4, 1), 4, "BTHD"), pytest.param(True, "top_left", None, 4, "BHTD", marks=pytest.mark.thorough),
+    pytest.param(False, "top_left", (3, 2), 4, "BTHD", marks=pytest.mark.thorough), (False, "bottom_right", (5, -1), 1, "BHTD"),
 ])
 def test_attention_interface_matches_the_oracle(causal, alignment, window, t, layout):
     keys = jax.random.split(jax.random.key(t + 7 * causal), 4)
@@ -202,7 +205,8 @@ def test_gpu_selection_takes_decode_for_few_queries(monkeypatch):
 
 
 @pytest.mark.parametrize("layout,groups,t,feature", [
-    ("BSHD", 4, 4, "all"), ("paged", 8, 1, "all"), ("BHSD", 1, 4, "window"), ("paged", 4, 4, "plain"),
+    ("BSHD", 4, 4, "all"), ("paged", 8, 1, "all"),
+    pytest.param("BHSD", 1, 4, "window", marks=pytest.mark.thorough), pytest.param("paged", 4, 4, "plain", marks=pytest.mark.thorough),
 ])
 def test_pallas_tpu_kernel_in_interpret_mode(layout, groups, t, feature):
     pltpu = pytest.importorskip("jax.experimental.pallas.tpu")

@@ -91,14 +91,14 @@ def _check(out, lse, q, k, v, **kw):
 
 
 # (layout, GQA ratio, q_len, window, softcap, sinks)
-KERNEL_CASES = [
-    ("BSHD", 1, 1, None, None, False),
+KERNEL_CASES = [  # the default run keeps one case per layout, every feature among them
+    pytest.param("BSHD", 1, 1, None, None, False, marks=pytest.mark.thorough),
     ("BSHD", 4, 4, 9, None, True),
     ("BHSD", 8, 1, None, 2.0, False),
-    ("BHSD", 4, 4, 5, 3.0, True),
+    pytest.param("BHSD", 4, 4, 5, 3.0, True, marks=pytest.mark.thorough),
     ("paged", 1, 4, None, None, True),
-    ("paged", 8, 4, 12, 3.0, False),
-    ("paged", 4, 1, None, None, False),
+    pytest.param("paged", 8, 4, 12, 3.0, False, marks=pytest.mark.thorough),
+    pytest.param("paged", 4, 1, None, None, False, marks=pytest.mark.thorough),
 ]
 
 
@@ -226,6 +226,7 @@ def test_through_decode_attention_with_gradients():
         assert (dense - want_g).abs().max() < 2e-5
 
 
+@pytest.mark.thorough  # the same kernels as above, reached through jax_core.attention's registry
 def test_attention_interface_runs_the_triton_path():
     keys = jax.random.split(jax.random.key(4), 3)
     q = jax.random.normal(keys[0], (2, 8, 3, 16))  # BHTD, 3 queries against 45 keys

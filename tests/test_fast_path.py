@@ -529,6 +529,7 @@ print(len(hits), repr(out.sum().item()))
 """
 
 
+@pytest.mark.thorough  # two fresh processes, each importing jax and torch and compiling
 def test_persistent_cache_is_reused_by_a_restarted_process(tmp_path):
     import subprocess
     import sys

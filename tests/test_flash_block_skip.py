@@ -114,7 +114,7 @@ def test_skip_table_lists_live_blocks():
 # ---------------------------------------------------------------------------------------- kernels
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.thorough), True])
 def test_tile_sparse_mask_with_gqa(causal):
     gen = torch.Generator().manual_seed(11 + causal)
     B, Hq, Hk, L, S, D = 2, 4, 2, 150, 229, 32
@@ -169,7 +169,7 @@ def test_masked_query_tiles_are_not_read_in_backward():
     _close("dv", dv, r_dv)
 
 
-@pytest.mark.parametrize("with_mask", [False, True])
+@pytest.mark.parametrize("with_mask", [pytest.param(False, marks=pytest.mark.thorough), True])
 def test_minus_inf_bias_tiles_and_bias_gradient(with_mask):
     gen = torch.Generator().manual_seed(7 + with_mask)
     B, H, L, S, D = 1, 3, 140, 170, 32

@@ -10,6 +10,7 @@ import torch
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
 
 from attention_reference import from_bthd, reference, to_bthd  # noqa: E402
+from thorough_grid import grid  # noqa: E402
 
 from jaxattn.jax_core import AttentionMetadata, attention  # noqa: E402
 
@@ -37,8 +38,7 @@ def _inputs(seed, t=128, s=128, h=2, d=64):
     return q, k, v, bias
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("causal,with_bias", grid([False, True], [False, True], keep=[(True, True)]))
 def test_pallas_tpu_flash_matches_reference(causal, with_bias):
     q, k, v, bias = _inputs(int(causal) * 2 + int(with_bias))
     bias = bias if with_bias else None
@@ -81,7 +81,7 @@ def _segment_ids(t=256):
     return jnp.asarray(np.stack([q0, q1]), jnp.int32), jnp.asarray(np.stack([k0, k1]), jnp.int32)
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.thorough), pytest.param(True, marks=pytest.mark.thorough)])
 def test_pallas_tpu_segment_ids_match_reference(causal):
     ks = jax.random.split(jax.random.key(11 + causal), 3)
     q, k, v = (jax.random.normal(key, (2, 256, 1, 64), jnp.float32) for key in ks)

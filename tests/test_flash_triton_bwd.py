@@ -26,6 +26,7 @@ except Exception as exc:  # pragma: no cover - depends on the machine
                 allow_module_level=True)
 
 from attention_reference import reference as float64_reference  # noqa: E402
+from thorough_grid import grid  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if INTERPRETED:
@@ -287,7 +288,14 @@ def run_case(case: Case, *, device=DEVICE, kernels=None, tol=None, errors=None):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: The default run: both causal alignments, GQA, each bias / mask / window / softcap / sinks kind once,
+#: head dims, strides and float16; --thorough adds the variants.
+CASES_KEPT = ["causal_topleft_L<S", "causal_bottomright_L>S", "gqa", "bias_heads_broadcast", "bias_neg_inf_row",
+              "mask_full_with_empty_row", "window_both_bottomright_L>S", "window_causal_mixed_blocks",
+              "softcap_bias", "sinks_empty_row", "dv_ne_d", "bthd_strides", "fp16"]
+
+
+@pytest.mark.parametrize("name", grid(list(CASES), keep=CASES_KEPT))
 def test_backward_matches_float64_autograd(name):
     run_case(CASES[name])
 
@@ -318,9 +326,13 @@ def _bounds_cases() -> dict[str, Case]:
 
 
 BOUNDS_CASES = _bounds_cases()
+#: The default run: every mode and alignment at L=17, S=33 (edges on both sides of a block), and
+#: one case per unequal block shape; --thorough runs the other lengths too.
+BOUNDS_KEPT = [n for n in BOUNDS_CASES if n.startswith("L17_S33_")] + ["L33_S47_br_causal_bm32_bn16",
+                                                                       "L33_S47_br_w3_15_bm16_bn32"]
 
 
-@pytest.mark.parametrize("name", list(BOUNDS_CASES))
+@pytest.mark.parametrize("name", grid(list(BOUNDS_CASES), keep=BOUNDS_KEPT))
 def test_loop_bounds_at_block_edges(name):
     run_case(BOUNDS_CASES[name])
 

@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")
 import jax_triton_interpret  # noqa: E402
 from attention_reference import (assert_close_finite, from_bthd, reference, reference_grads,  # noqa: E402
                                  varlen_reference)
+from thorough_grid import grid  # noqa: E402
 
 from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 
@@ -88,8 +89,8 @@ SEGMENT_PATTERNS = {
 }
 
 
-@pytest.mark.parametrize("pattern", sorted(SEGMENT_PATTERNS))
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,pattern", grid([False, True], sorted(SEGMENT_PATTERNS),
+                                                keep=[(True, "packed-padded")]))
 def test_segment_ids_forward_and_gradients(pattern, causal):
     gen = torch.Generator().manual_seed(hash(pattern) % 1000 + causal)
     B, Hq, Hk, L, S, D = 2, 4, 2, 150, 170, 32
@@ -176,8 +177,8 @@ VARLEN_CASES = {
 }
 
 
-@pytest.mark.parametrize("layout", ["BHTD", "BTHD"])
-@pytest.mark.parametrize("case", sorted(VARLEN_CASES))
+@pytest.mark.parametrize("case,layout", grid(sorted(VARLEN_CASES), ["BHTD", "BTHD"],
+                                             keep=[("causal-bottom-right", "BHTD"), ("window-softcap-sinks", "BTHD")]))
 def test_varlen_forward_and_gradients(case, layout):
     kw = dict(VARLEN_CASES[case])
     gen = torch.Generator().manual_seed(len(case) * 7 + len(layout))
@@ -216,7 +217,7 @@ def test_dropout_mask_is_bernoulli_and_seeded():
     assert abs(a[0].float().mean() - a[3].float().mean()) < 0.05 and not torch.equal(a[0], a[1])
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.thorough), True])
 def test_dropout_forward_and_gradients(causal):
     gen = torch.Generator().manual_seed(11 + causal)
     B, Hq, Hk, L, S, D, p = 2, 2, 1, 97, 75, 32, 0.25
@@ -234,6 +235,7 @@ def test_dropout_forward_and_gradients(causal):
         _close(f"d{name}", g, rg)
 
 
+@pytest.mark.thorough  # dropout and varlen are each tested above
 def test_dropout_with_varlen_uses_packed_coordinates():
     gen = torch.Generator().manual_seed(5)
     lens_q, lens_k, p = [20, 45], [33, 45], 0.4
@@ -254,6 +256,7 @@ def test_dropout_with_varlen_uses_packed_coordinates():
 
 # --------------------------------------------------------------------------------------------- dispatch
 
+@pytest.mark.thorough  # the same path per feature: test_conformance.py's flash-jax cases
 def test_flash_gpu_path_through_attention_matches_the_oracle():
     """`attention(implementation="flash")` on the GPU path, packed and with segment ids, equals the
     float64 oracle."""

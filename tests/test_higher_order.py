@@ -32,6 +32,9 @@ CASES = {
 }
 
 
+# gradgradcheck differentiates numerically through every input element: seconds per case; the
+# default run checks second order against torch's own (the gradient penalty and HVP tests below)
+@pytest.mark.thorough
 @pytest.mark.parametrize("case", CASES)
 def test_gradgradcheck_drop_in(case):
     c = CASES[case]

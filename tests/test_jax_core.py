@@ -505,7 +505,8 @@ def test_gqa(impl):
 
 
 @pytest.mark.parametrize("impl", ["vanilla", "sdpa"])
-@pytest.mark.parametrize("mask_shape", [(B, 6, T, S), (B, 1, T, S), (T, S), (1, 6, 1, S)])
+@pytest.mark.parametrize("mask_shape", [(B, 6, T, S), pytest.param((B, 1, T, S), marks=pytest.mark.thorough), (T, S),
+                                        pytest.param((1, 6, 1, S), marks=pytest.mark.thorough)])
 def test_bool_mask(impl, mask_shape):
     q, k, v = _qkv(5, hq=6, hk=2)
     mask = np.random.default_rng(50).random(mask_shape) > 0.3
@@ -514,7 +515,7 @@ def test_bool_mask(impl, mask_shape):
 
 
 @pytest.mark.parametrize("impl", ["vanilla", "sdpa"])
-@pytest.mark.parametrize("bias_shape", [(B, 4, T, S), (1, 4, T, S), (S,)])
+@pytest.mark.parametrize("bias_shape", [(B, 4, T, S), pytest.param((1, 4, T, S), marks=pytest.mark.thorough), (S,)])
 def test_additive_bias(impl, bias_shape):
     q, k, v = _qkv(6)
     bias = _rand(np.random.default_rng(60), bias_shape)
@@ -756,7 +757,7 @@ def test_gradients_finite_with_fully_masked_rows(impl):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["vanilla", "sdpa"])
+@pytest.mark.parametrize("impl", ["vanilla", pytest.param("sdpa", marks=pytest.mark.thorough)])
 def test_bhtd_layout_matches_bthd(impl):
     q, k, v = _qkv(27, t=33, s=47, hq=6, hk=2, d=24, dv=24)
     mask = np.random.default_rng(270).random((B, 1, 33, 47)) > 0.3
@@ -822,7 +823,7 @@ def test_malformed_inputs_raise():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "vanilla"])
+@pytest.mark.parametrize("impl", [pytest.param("sdpa", marks=pytest.mark.thorough), "vanilla"])
 def test_mesh_matches_unsharded(mesh22, impl):
     q, k, v = _qkv(22, b=2, t=33, s=40, hq=4, hk=2, d=16)
     rng = np.random.default_rng(220)

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 import jax_triton_interpret  # noqa: E402
 from attention_reference import assert_close_finite, reference, reference_grads  # noqa: E402
+from thorough_grid import grid  # noqa: E402
 
 from jaxattn.bridge import cache_info  # noqa: E402
 from jaxattn.bridge.triton_launch import can_launch  # noqa: E402
@@ -235,8 +236,8 @@ BIT_CASES = {
 }
 
 
-@pytest.mark.parametrize("entries", ["static", "dynamic"])
-@pytest.mark.parametrize("case", sorted(BIT_CASES))
+@pytest.mark.parametrize("case,entries", grid(sorted(BIT_CASES), ["static", "dynamic"], keep=[
+    *((case, "static") for case in BIT_CASES), ("causal-gqa", "dynamic")]))
 def test_launchers_bit_identical(case, entries, monkeypatch):
     """The torch launcher and the JAX launcher give the same bits (outputs, LSE and gradients) with the
     static entries, which the native launcher uses for every call but decoding; the dynamic ones

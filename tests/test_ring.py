@@ -93,13 +93,16 @@ def _check_ring(n, *, layout=None, causal=False, window=None, softcap=None, kern
 # --- outputs and gradients equal single-device attention --------------------------------------------
 
 
+THOROUGH = pytest.mark.thorough  # each ring case compiles a sharded forward and backward (seconds each)
+
+
 @pytest.mark.parametrize("n,layout,causal", [
     (4, "zigzag", True),
-    (4, "striped", True),
-    (4, "contiguous", True),  # uneven work: device r computes r + 1 of the 4 blocks
+    pytest.param(4, "striped", True, marks=THOROUGH),
+    pytest.param(4, "contiguous", True, marks=THOROUGH),  # uneven work: device r computes r + 1 of the 4 blocks
     (4, "contiguous", False),
-    (8, "zigzag", True),
-    (8, "contiguous", False),
+    pytest.param(8, "zigzag", True, marks=THOROUGH),
+    pytest.param(8, "contiguous", False, marks=THOROUGH),
 ])
 def test_ring_matches_reference(n, layout, causal):
     out, grads = _check_ring(n, layout=layout, causal=causal, seed=n + len(layout), t=16 * n)
@@ -109,19 +112,21 @@ def test_ring_matches_reference(n, layout, causal):
         _close(out, ref, 2e-5)
 
 
+@THOROUGH  # each feature alone is in test_conformance.py (ring, 2 devices)
 def test_ring_gqa_awkward_lengths_and_features():
     """T=97 (padded to a multiple of 2n), MQA, head dim 80, window, soft cap, segment ids, sinks."""
     _check_ring(4, layout="zigzag", causal=True, window=(9, -1), softcap=3.0, segments=True, sinks=True, seed=5,
                 b=1, hq=4, hk=1, t=97, d=80)
 
 
+@THOROUGH  # T != S is in test_conformance.py's ring cases
 def test_ring_cross_attention_uneven_lengths_and_bidirectional_window():
     _check_ring(4, causal=False, t=40, s=52, seed=6, hq=6, hk=3)  # padded keys hidden by segment ids
     _check_ring(8, layout="striped", causal=False, window=(5, 3), segments=True, t=64, seed=7)
 
 
-@pytest.mark.parametrize("n", [2, 8])
-def test_ring_accumulation_in_input_dtype_bf16(n):
+@pytest.mark.parametrize("n", [pytest.param(2, marks=THOROUGH), pytest.param(8, marks=THOROUGH)])
+def test_ring_accumulation_in_input_dtype_bf16(n):  # by default: test_torch_ring_accumulation_input_bf16
     """accumulation="input": bf16 partials and dK / dV travelling in bf16 stay within flash-attn's
     rule (error against float64 at most 2x that of torch's own bf16 attention), on 2 and 8 devices;
     float32 accumulation is checked alongside, and the option is refused when misspelt."""
@@ -148,6 +153,7 @@ def test_ring_accumulation_in_input_dtype_bf16(n):
         ring_attention(bf(q), bf(k), bf(v), mesh=mesh, causal=True, accumulation="bf16")
 
 
+@THOROUGH  # interpreted flash kernels on 2 and 4 simulated devices
 def test_ring_triton_block_kernels_under_interpreter(monkeypatch):
     """The GPU path (Triton flash kernels as block kernels, float32 partials) on 2 and 4 devices."""
     pytest.importorskip("triton")
@@ -180,7 +186,7 @@ def test_ring_triton_block_kernels_under_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", rl.LAYOUTS)
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=THOROUGH)])
 def test_layout_round_trips(layout, n):
     length = 2 * n * n
     perm = rl.layout_permutation(length, n, layout)
@@ -230,6 +236,7 @@ def test_causal_work_is_balanced_and_masked_steps_are_skipped():
             assert len(pieces) == 1 and pieces[0].q_len * pieces[0].k_len == 64 * 32 and pieces[0].band == (None, None)
 
 
+@THOROUGH  # compiles the sharded backward to read its HLO
 def test_inputs_in_layout_and_no_full_sequence_on_a_device():
     n, t = 4, 64
     q, k, v, cot, _, _ = _case(11, 1, 2, 2, t, t, 8)
@@ -287,6 +294,7 @@ def test_ring_refuses_what_it_cannot_do():
         ring_attention(q, q, q, mesh=md.mesh, kernel="pallas")
 
 
+@THOROUGH  # the same ring as test_ring_matches_reference, at 256 tokens
 def test_example_runs_small():
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "ring_simulated.py"
     spec = importlib.util.spec_from_file_location("ring_simulated", path)
@@ -296,6 +304,7 @@ def test_example_runs_small():
     assert max(errors.values()) < 1e-4
 
 
+@THOROUGH  # the torch ring's backward runs it by default (test_torch_full_tensors_shards_and_compile)
 def test_backward_from_saved_output_matches_oracle():
     """ring_attention_backward (used by the torch API) from the saved (out, lse), with padding
     (T=50 on 4 devices), segment ids, a window and an LSE cotangent."""

@@ -25,6 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.thorough  # two fresh processes; the torch ring API runs in-process by default (test_ring.py)
 def test_two_processes_pass_torch_shards(tmp_path):
     world, port = 2, _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRITON_INTERPRET")}

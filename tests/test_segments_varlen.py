@@ -101,7 +101,7 @@ def test_varlen_mask_matches_the_oracle(causal, alignment, window):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["BTHD", "BHTD"])
+@pytest.mark.parametrize("layout", ["BTHD", pytest.param("BHTD", marks=pytest.mark.thorough)])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (3, 2))])
 def test_vanilla_segment_ids_match_explicit_mask(layout, causal, window):
     b, t, s = 2, 23, 29
@@ -141,7 +141,7 @@ def test_vanilla_segment_ids_gradients():
 LENGTHS = [(5, 9), (1, 1), (7, 3), (13, 13), (0, 4), (3, 0), (1, 6)]  # L_n != S_n, empty sides, length 1
 
 
-@pytest.mark.parametrize("layout", ["BTHD", "BHTD"])
+@pytest.mark.parametrize("layout", ["BTHD", pytest.param("BHTD", marks=pytest.mark.thorough)])
 @pytest.mark.parametrize("causal,alignment,window", [
     (False, "top_left", None), (True, "top_left", None), (True, "bottom_right", None),
     (False, "bottom_right", (2, 1)), (True, "top_left", (3, -1)),

@@ -10,8 +10,11 @@ import torch
 
 from jaxattn.bridge import triton_program
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="needs a C++ compiler to build the extension")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                       reason="needs a C++ compiler to build the extension"),
+    pytest.mark.thorough,  # building the extension takes most of a minute on 2 cores
+]
 
 
 @pytest.fixture(scope="module")
