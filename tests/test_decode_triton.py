@@ -198,6 +198,7 @@ def test_launch_choices_are_not_settings(removed):
         DecodeConfig(scale=1.0, **{removed: None})
 
 
+@pytest.mark.thorough  # the XLA decode path's gradients also run in test_native_decode by default
 def test_through_decode_attention_with_gradients():
     """jax_core.decode_attention on the GPU path: BHTD queries, paged cache, every feature, and the
     custom JVP (gradients from the XLA formulation) against float64 torch autograd."""

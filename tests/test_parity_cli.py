@@ -7,6 +7,7 @@ import jaxattn.torch_api as torch_api
 from jaxattn import cli, parity
 
 
+@pytest.mark.thorough  # every implementation compiled on CPU; test_a_wrong_implementation_fails runs the CLI by default
 def test_parity_table_on_cpu(capsys):
     status = cli.main(["parity", "--shapes", "small", "--dtypes", "bfloat16",
                        "--implementations", "vanilla", "sdpa", "decode", "flash"])

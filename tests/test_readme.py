@@ -86,7 +86,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"block{b.number}-line{b.line}" for b in BLOCKS])
+# The quickstart block runs by default; every block runs under --thorough (CI), each a fresh process.
+@pytest.mark.parametrize("block", [pytest.param(b, marks=() if b.number == 1 else pytest.mark.thorough) for b in BLOCKS],
+                         ids=[f"block{b.number}-line{b.line}" for b in BLOCKS])
 def test_readme_python_block_runs_alone(block, tmp_path):
     if "cuda" in block.needs and not _cuda_available():
         pytest.skip(f"README.md python block {block.number} needs: cuda (torch sees no CUDA device)")
