@@ -205,7 +205,8 @@ def register_transformers(name: str = DEFAULT_NAME, implementation: Union[None, 
     Raises:
         ImportError: transformers is not installed (the hf extra: `pip install -e ".[hf]"` in the jaxattn
             checkout), or it has no AttentionInterface / AttentionMaskInterface (transformers >= 4.56 has both).
-        ValueError: `name` is one of transformers' own implementations, or `implementation` is unknown.
+        ValueError: `name` is one of transformers' own implementations or contains "flash" (transformers
+            reads such names as flash-attention requests), or `implementation` is unknown.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name={name!r}: expected a non-empty str.")
@@ -223,8 +224,16 @@ def register_transformers(name: str = DEFAULT_NAME, implementation: Union[None, 
             "upgrade it (pip install -U 'transformers>=4.56', or pip install -e '.[hf]' in the jaxattn "
             "checkout)."
         )
-    if name in ("eager", "sdpa", "flex_attention", "paged|eager") or name.startswith("flash_attention"):
+    if name in ("eager", "sdpa", "flex_attention", "paged|eager"):
         raise ValueError(f"name={name!r}: that is one of transformers' own implementations; pick another name.")
+    if "flash" in name:
+        # transformers.utils.generic.is_flash_attention_requested: any name containing "flash" is taken for
+        # flash-attention, and loading a model with it looks for flash-attn or a hub kernel instead of ours.
+        raise ValueError(
+            f"name={name!r}: transformers treats every attn_implementation containing 'flash' as a request for its "
+            "flash-attention kernels (flash-attn or a hub kernel), not for a registered function. Pick a name "
+            "without 'flash', e.g. register_transformers('jaxattn_tiled', 'flash')."
+        )
     function = make_attention_function(implementation)
     transformers.AttentionInterface.register(name, function)
     transformers.AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
