@@ -18,9 +18,21 @@ What the attention function does with the keyword arguments models pass:
     sliding_window                  already part of the mask built by the registered mask function;
                                     without a mask and with more keys than the window, the query
                                     positions are unknown and the call raises.
+    position_bias (T5, ...)         added to the logits: folded into a float mask with the attention mask
+                                    (or causality) as transformers' "sdpa" does; its gradient flows.
+    indices (DeepSeek-V3.2, ...)    the keys each query attends to, (B, L, k) int: folded into the mask as
+                                    those models do themselves for "eager" and "sdpa".
+    deterministic (ModernBERT)      True: run-to-run identical results, forward and backward. On CPU every
+                                    implementation is (XLA's CPU backend); on GPUs only the Triton flash
+                                    kernels are known to be (no floating-point atomics), so True selects
+                                    flash there, and a forced choice without it raises
+                                    (`transformers_kwargs.deterministic_choice`).
     position_ids, use_cache, ...    (`NO_EFFECT_KWARGS`) carry nothing the attention needs: positions
                                     are already applied to q/k, and padding and packed sequences are
                                     in the mask.
+    sinks, block_indices            (`REFUSED_KWARGS`) raise NotImplementedError saying what they mean:
+                                    per-query sink logits (Inkling 2; `s_aux` is per head), block-sparse
+                                    selections the model turns into a mask only for "eager"/"sdpa".
     anything else                   raises TypeError naming it, unless its value is None or False.
 
 transformers is an optional dependency (extra `hf`); this module imports it only inside
@@ -40,53 +52,13 @@ from .launch import native_config
 from .native_flash import flash_forward
 from .sdpa import scaled_dot_product_attention
 from .selection import current_implementation, normalize_choice
+from .transformers_kwargs import check_extra_kwargs, deterministic_choice, fold_into_mask, short as _short
 from .validation import AttentionInputError, check_finite, check_qkv
 
 DEFAULT_NAME = "jaxattn"
 
-#: Keyword arguments transformers' models pass to attention functions that need no handling here.
-NO_EFFECT_KWARGS = frozenset({
-    "position_ids",  # rotary positions are applied to q/k before the call
-    "cache_position", "past_key_values", "past_key_value", "use_cache",  # the cache is updated before the call
-    "output_hidden_states", "return_dict", "num_items_in_batch", "output_router_logits",
-    # flash-attn's description of packed sequences; the mask function derives the same packing from
-    # position_ids, so they are accepted only together with a mask (checked below)
-    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-})
-_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
 #: Soft cap and/or sinks on (B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev) tensors -> (B, Hq, L, Ev).
 _features_jax = jax_op(calls.sdpa_features, name="jaxattn.hf_attention", module=__name__)
-
-
-def _check_extra_kwargs(kwargs: dict[str, Any], attention_mask: Optional[torch.Tensor]) -> None:
-    for name, value in kwargs.items():
-        if name in NO_EFFECT_KWARGS or value is None or value is False:
-            continue
-        if name == "output_attentions":
-            raise NotImplementedError(
-                "output_attentions=True: the jaxattn attention function does not return attention weights "
-                "(load the model with attn_implementation='eager' to get them)."
-            )
-        raise TypeError(
-            f"{name}={_short(value)}: the jaxattn attention function does not support this keyword argument "
-            "(its meaning would be lost); use attn_implementation='eager' or 'sdpa' for this model, or ask for "
-            "the feature in jaxattn."
-        )
-    if attention_mask is None and any(kwargs.get(n) is not None for n in _PACKING_KWARGS):
-        raise AttentionInputError(
-            "cu_seq_lens_q/cu_seq_lens_k: packed sequences without an attention mask; the jaxattn attention "
-            "function takes packing from the mask its registered mask function builds (from position_ids). "
-            "Register both with register_transformers() and pass position_ids."
-        )
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"<tensor of shape {tuple(value.shape)}, dtype {value.dtype}>"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def make_attention_function(implementation: Union[None, str, Sequence[str]] = None) -> Callable:
@@ -98,7 +70,8 @@ def make_attention_function(implementation: Union[None, str, Sequence[str]] = No
 
     Returns:
         `f(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-        sliding_window=None, softcap=None, s_aux=None, **kwargs) -> (output, None)` with query
+        sliding_window=None, softcap=None, s_aux=None, position_bias=None, indices=None, deterministic=None,
+        **kwargs) -> (output, None)` with query
         (B, Hq, L, E), key (B, Hk, S, E), value (B, Hk, S, Ev), attention_mask None or
         broadcastable to (B, Hq, L, S) (bool, True = attend, or additive float), and output
         (B, L, Hq, Ev), contiguous. Extra keyword arguments follow the module docstring's rules.
@@ -117,10 +90,16 @@ def make_attention_function(implementation: Union[None, str, Sequence[str]] = No
         sliding_window: Optional[int] = None,
         softcap: Optional[float] = None,
         s_aux: Optional[torch.Tensor] = None,
+        position_bias: Optional[torch.Tensor] = None,
+        indices: Optional[torch.Tensor] = None,
+        deterministic: Optional[bool] = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """(B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev), mask None or (B|1, 1|Hq, L, S) -> ((B, L, Hq, Ev), None)."""
-        _check_extra_kwargs(kwargs, attention_mask)
+        # `kwargs` holds what models pass beyond the named arguments; each one is checked, none is dropped.
+        check_extra_kwargs(kwargs, attention_mask)
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise AttentionInputError(f"deterministic={deterministic!r}: expected a bool or None.")
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise AttentionInputError(f"{name}: expected a (B, H, L, E) tensor, got {_short(t)}.")
@@ -134,7 +113,13 @@ def make_attention_function(implementation: Union[None, str, Sequence[str]] = No
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         # As transformers' sdpa: a mask, when given, already holds causality; one query sees every key.
         causal = bool(causal) and q_len > 1 and attention_mask is None
+        if position_bias is not None or indices is not None:
+            # As transformers' sdpa: the bias (and a sparse key selection) go into one mask with causality.
+            attention_mask = fold_into_mask(query, key, attention_mask, causal, position_bias, indices)
+            causal = False
         choice = fixed if fixed is not None else current_implementation()
+        if deterministic:
+            choice = deterministic_choice(choice, query.device)
         gqa = key.shape[1] != query.shape[1]
         if softcap is None and s_aux is None:
             out = scaled_dot_product_attention(
@@ -220,7 +205,8 @@ def register_transformers(name: str = DEFAULT_NAME, implementation: Union[None, 
     Raises:
         ImportError: transformers is not installed (the hf extra: `pip install -e ".[hf]"` in the jaxattn
             checkout), or it has no AttentionInterface / AttentionMaskInterface (transformers >= 4.56 has both).
-        ValueError: `name` is one of transformers' own implementations, or `implementation` is unknown.
+        ValueError: `name` is one of transformers' own implementations or contains "flash" (transformers
+            reads such names as flash-attention requests), or `implementation` is unknown.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name={name!r}: expected a non-empty str.")
@@ -238,8 +224,16 @@ def register_transformers(name: str = DEFAULT_NAME, implementation: Union[None, 
             "upgrade it (pip install -U 'transformers>=4.56', or pip install -e '.[hf]' in the jaxattn "
             "checkout)."
         )
-    if name in ("eager", "sdpa", "flex_attention", "paged|eager") or name.startswith("flash_attention"):
+    if name in ("eager", "sdpa", "flex_attention", "paged|eager"):
         raise ValueError(f"name={name!r}: that is one of transformers' own implementations; pick another name.")
+    if "flash" in name:
+        # transformers.utils.generic.is_flash_attention_requested: any name containing "flash" is taken for
+        # flash-attention, and loading a model with it looks for flash-attn or a hub kernel instead of ours.
+        raise ValueError(
+            f"name={name!r}: transformers treats every attn_implementation containing 'flash' as a request for its "
+            "flash-attention kernels (flash-attn or a hub kernel), not for a registered function. Pick a name "
+            "without 'flash', e.g. register_transformers('jaxattn_tiled', 'flash')."
+        )
     function = make_attention_function(implementation)
     transformers.AttentionInterface.register(name, function)
     transformers.AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
