@@ -13,9 +13,10 @@ floats, bools, strings, None, tuples, nested such dataclasses): everything stati
 Two routes, the same kernels:
 * Eager: a `torch.autograd.Function` calling `forward` / `backward` directly: the shortest host path.
 * Under `torch.compile` (and functorch transforms, dispatch modes): two `torch.library.triton_op`s,
-  registered while the first compiled call traces, `<name>` and `<name>_backward`, with the spec as a JSON string, whose bodies launch through
+  `<name>` and `<name>_backward`, with the spec as a JSON string, whose bodies launch through
   `wrap_triton` (so Inductor sees the kernels and CUDA graphs capture them); fake tensors come from
-  running the same bodies on fake inputs (the launches do nothing there).
+  running the same bodies on fake inputs (the launches do nothing there). They are registered
+  while the first compiled call traces, so an eager-only program never imports the compiler.
 """
 
 from __future__ import annotations
