@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -186,6 +187,7 @@ class TritonOp:
 
 #: Every TritonOp by name (for `_register_while_tracing`, whose argument must be a constant).
 _BY_NAME: dict = {}
+_REGISTERING = threading.Lock()
 
 
 @assume_constant_result
@@ -196,7 +198,8 @@ def _register_while_tracing(name: str) -> str:
     assume_constant_result for real while it traces: so the ops exist before the traced
     `_library_ops` reads them, and an eager-only program never pays for registering them.
     """
-    _BY_NAME[name]._library_ops()
+    with _REGISTERING:  # two threads compiling at once: one registers, the other finds the ops
+        _BY_NAME[name]._library_ops()
     return name
 
 

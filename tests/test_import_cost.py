@@ -1,5 +1,6 @@
 """What `import jaxattn.torch_api` loads: not torch._dynamo or torch._inductor (about 1.3 s), which
-only torch.compile needs; and the torch.compile route still works with the ops registered late."""
+only torch.compile needs, nor transformers (`register_transformers` imports it); and the
+torch.compile route still works with the ops registered late."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from jaxattn.bridge import compile_hints
 from jaxattn.bridge.triton_autograd import TritonOp
 
 #: Modules a plain drop-in call does not need, which `import jaxattn.torch_api` must leave unloaded.
-DEFERRED = ("torch._dynamo", "torch._inductor")
+DEFERRED = ("torch._dynamo", "torch._inductor", "transformers")
 
 
 def test_importing_torch_api_leaves_the_compiler_unloaded():
