@@ -27,6 +27,7 @@ import torch
 from torch.autograd import forward_ad
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.jaxattn.jax_call, which this module calls)
+from .compile_hints import assume_constant_result
 from .call_spec import intern
 from .devices import to_jax_device
 from . import dlpack
@@ -115,7 +116,7 @@ def prepare_arguments(op: Op, args: Sequence[Optional[torch.Tensor]], static: di
     return tensors, narrow, (len(args), tuple(present), tuple(fulls), tuple(sorted(static.items())), with_vjp)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def spec_key(n_args: int, present: tuple, fulls: tuple, static: tuple, with_vjp: bool) -> str:
     """The key of the `CallSpec` of these values, for the custom op: torch.compile runs this once,
     while it traces, and keeps the string in its graph."""

@@ -15,12 +15,13 @@ import torch
 from jax.sharding import Mesh
 
 from .devices import to_jax_device
+from .compile_hints import assume_constant_result
 
 #: The axis name of a mesh built from a list of devices (or from None).
 DEFAULT_AXIS = "sp"
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def resolve_mesh(mesh: Union[None, Mesh, Sequence[Union[str, torch.device]]], tensor_devices: tuple[str, ...],
                  whole: bool, error: type = ValueError, tensors: str = "tensors",
                  mesh_noun: str = "mesh") -> tuple[bool, tuple[int, ...], str]:

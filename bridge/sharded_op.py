@@ -40,6 +40,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .compile_hints import assume_constant_result
 from .call_spec import CallSpec, check_static, intern, lookup
 from .devices import to_jax_device
 from .distributed import global_from_shards, torch_shards
@@ -131,7 +132,7 @@ class ShardedJaxOp:
         return outs[0] if self.num_outputs == 1 else tuple(outs)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _spec_key(n_args: int, present: tuple, static: tuple) -> str:
     """The call's `CallSpec` key: torch.compile evaluates it once, while it traces, and keeps the string."""
     return intern(n_args, present, (), static, False).key

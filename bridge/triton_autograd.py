@@ -15,7 +15,8 @@ Two routes, the same kernels:
 * Under `torch.compile` (and functorch transforms, dispatch modes): two `torch.library.triton_op`s,
   `<name>` and `<name>_backward`, with the spec as a JSON string, whose bodies launch through
   `wrap_triton` (so Inductor sees the kernels and CUDA graphs capture them); fake tensors come from
-  running the same bodies on fake inputs (the launches do nothing there).
+  running the same bodies on fake inputs (the launches do nothing there). They are registered
+  while the first compiled call traces, so an eager-only program never imports the compiler.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch.autograd import forward_ad
 
+from .compile_hints import assume_constant_result
 from .forward_ad import refuse_forward_ad
 from .triton_launch import wrapped_launches
 
@@ -102,17 +105,15 @@ class TritonOp:
         self.second_order_hint = second_order_hint
         self.codec = SpecCodec(spec_types)
         self._ops = None
-        # Registered now, not on first use: Dynamo refuses to trace a call of `triton_op` itself.
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return
-        self._library_ops()
+        # Registered on the first compiled call, not here: registering looks for the kernels in the
+        # bodies' source, which imports torch._inductor and torch._dynamo (about a second).
+        _BY_NAME[name] = self
 
     def __call__(self, spec: Any, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             refuse_forward_ad(self.name, inputs)
         if torch.compiler.is_compiling():
+            _register_while_tracing(self.name)
             fwd, _ = self._library_ops()
             padded = tuple(inputs) + (None,) * (MAX_INPUTS - len(inputs))
             outs = fwd(*padded, self.codec.encode(spec))
@@ -182,6 +183,24 @@ class TritonOp:
 
         fwd_op.register_autograd(backward_formula, setup_context=setup_context)
         return fwd_op, bwd_op
+
+
+#: Every TritonOp by name (for `_register_while_tracing`, whose argument must be a constant).
+_BY_NAME: dict = {}
+_REGISTERING = threading.Lock()
+
+
+@assume_constant_result
+def _register_while_tracing(name: str) -> str:
+    """Registers the library ops of the TritonOp `name` and returns the name.
+
+    Dynamo refuses to trace a call of `triton_op` itself, but runs a function marked
+    assume_constant_result for real while it traces: so the ops exist before the traced
+    `_library_ops` reads them, and an eager-only program never pays for registering them.
+    """
+    with _REGISTERING:  # two threads compiling at once: one registers, the other finds the ops
+        _BY_NAME[name]._library_ops()
+    return name
 
 
 def _trim(padded: tuple, spec: Any) -> tuple:
