@@ -23,6 +23,7 @@ from .dtypes import to_jax_dtype, to_torch_dtype
 from .meshes import resolve_mesh
 from .sharded_op import ShardedJaxOp
 from .torch_op import JaxOp, cache_info, clear_cache, jax_op, set_cache_size
+from . import exit_drain  # noqa: F401  (waits at exit for XLA:CPU work: see the module)
 
 __all__ = [
     "JaxOp", "cache_info", "clear_cache", "enable_persistent_cache", "importable", "narrow_broadcast", "configure_gpu_memory", "jax_op", "set_cache_size",

@@ -53,6 +53,7 @@ class LRUCache:
         self.misses = 0
         self.build_seconds = 0.0
         self.last_build_seconds = 0.0
+        self.ever_built = False  # not reset by `clear`: the process ran an XLA computation of ours
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The value held for `key`; on a miss, `build()`'s, kept (evicting beyond maxsize).
@@ -77,6 +78,7 @@ class LRUCache:
             pending[0].wait()  # then look again: built (a hit), or the build failed or was evicted
         try:
             start = time.perf_counter()
+            self.ever_built = True
             value = build()
             elapsed = time.perf_counter() - start
             with self._lock:
