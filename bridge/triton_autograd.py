@@ -60,6 +60,16 @@ def _json(value: Any) -> str:
     raise TypeError(f"spec field value {value!r}: expected a plain value, a tuple or a dataclass.")
 
 
+def cached_hash(spec: Any, *fields: Any) -> int:
+    """`hash(fields)`, computed once per frozen spec object and kept on it: a spec is part of every
+    launch-cache key, and hashing a config's fields on each call costs more than the rest of the key."""
+    found = spec.__dict__.get("_hash")
+    if found is None:
+        found = hash(fields)
+        object.__setattr__(spec, "_hash", found)
+    return found
+
+
 #: Tensor inputs a TritonOp may take (its spec says how many: `spec.num_inputs`).
 MAX_INPUTS = 12
 

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd import forward_ad
 
-from ..bridge.triton_autograd import TritonOp
+from ..bridge.triton_autograd import TritonOp, cached_hash
 from ..bridge.triton_launch import KernelLaunch, can_launch, optional, traced
 from ..jax_core.kernels.decode_plan import (DEFAULT_SMS, DecodeCall, DecodeConfig, cache_dims, cache_order,
                                             plan_decode, query_order)
@@ -46,12 +46,7 @@ class NativeDecodeSpec:
     num_inputs: int = 7  # q, k, v, lengths, starts, block_table, sinks
 
     def __hash__(self) -> int:
-        # Part of every launch-cache key: cached, hashing the config's fields each call costs more.
-        found = self.__dict__.get("_hash")
-        if found is None:
-            found = hash((self.cfg, self.num_inputs))
-            object.__setattr__(self, "_hash", found)
-        return found
+        return cached_hash(self, self.cfg, self.num_inputs)
 
 
 # --- selection ------------------------------------------------------------------------------------

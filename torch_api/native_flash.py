@@ -18,7 +18,7 @@ import torch
 from torch.autograd import forward_ad
 
 from ..bridge import triton_program
-from ..bridge.triton_autograd import PlannedCall, TritonOp
+from ..bridge.triton_autograd import PlannedCall, TritonOp, cached_hash
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
@@ -53,13 +53,7 @@ class NativeFlashSpec:
     num_inputs: int = 7  # q, k, v, bias, mask, sinks, seed; 11 with q_ids, kv_ids, cu_q, cu_k (`PACKED_INPUTS`)
 
     def __hash__(self) -> int:
-        # Part of every launch-cache key: hashing FlashConfig's fields on each call costs more than
-        # the rest of the key.
-        found = self.__dict__.get("_hash")
-        if found is None:
-            found = hash((self.cfg, self.num_inputs))
-            object.__setattr__(self, "_hash", found)
-        return found
+        return cached_hash(self, self.cfg, self.num_inputs)
 
 
 def _operand(t: torch.Tensor) -> Operand:
