@@ -3,9 +3,10 @@
 //
 // Buffers of one run are numbered: forward: the inputs, then the forward's allocations; backward:
 // the saved buffers, then the gradients of the outputs, then the backward's allocations. A launch
-// passes buffers' data pointers (argument >= 0) or constant pointers (argument -1 - k: constants[k])
-// to the kernel, followed by the two scratch pointers Triton's kernels take (null: programs are
-// built only for kernels that need no scratch memory).
+// passes buffers' data pointers (argument >= 0) or constants (argument -1 - k: constants[k], the
+// pointer of a tensor the caller keeps alive or the value of a runtime integer) to the kernel,
+// followed by the two scratch pointers Triton's kernels take (null: programs are built only for
+// kernels that need no scratch memory).
 
 #include <torch/extension.h>
 #include <torch/csrc/Dtype.h>
@@ -65,7 +66,7 @@ struct Program {
   std::vector<int64_t> saved;        // forward buffers kept for the backward
   std::vector<Alloc> grad_layouts;   // the layout each output's gradient is read in
   std::vector<int64_t> grads;        // per input: backward buffer of its gradient, or -1
-  std::vector<uint64_t> constants;   // pointers of tensors the caller keeps alive
+  std::vector<uint64_t> constants;   // kept tensors' pointers, runtime integers' values
   std::string second_order_error;
 };
 

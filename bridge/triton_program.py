@@ -125,23 +125,35 @@ def _launch(ext, launch: KernelLaunch, buffers: Mapping[str, int], constants: li
             or getattr(meta, "profile_scratch_size", 0) or getattr(meta, "tensordesc_meta", None)):
         return None
     constexprs = _constexpr_names(launch.kernel)
+    # Triton also compiles an integer equal to 1 as a constant: the compiled signature says which
+    # arguments the kernel still takes.
+    signature = getattr(getattr(k, "src", None), "signature", None) or {}
     args = []
     for name in launch.kernel.arg_names:
-        if name in constexprs:
+        if name in constexprs or signature.get(name) == "constexpr":
             continue
         if name in buffers and name in launch.tensors:
             args.append(buffers[name])
         elif name in launch.fixed:
             constants.append(launch.fixed[name].data_ptr())
             args.append(-len(constants))
-        else:  # a runtime scalar: programs carry pointers only
+        elif _is_int(launch.scalars.get(name)):
+            # A runtime integer goes by value: the driver reads as many bytes as the kernel's
+            # parameter has from the 64-bit slot (little-endian: an i32 is its low half). The
+            # program then serves these values only, as its launch does.
+            constants.append(launch.scalars[name] & 0xFFFF_FFFF_FFFF_FFFF)
+            args.append(-len(constants))
+        else:  # a runtime float: not taken
             return None
-    signature = getattr(getattr(k, "src", None), "signature", None)
-    if signature is not None and sum(1 for t in signature.values() if t != "constexpr") != len(args):
+    if signature and sum(1 for t in signature.values() if t != "constexpr") != len(args):
         return None
     if k.function is None:
         return None
     return ext.Launch(int(k.function), list(launch.grid), 32 * int(meta.num_warps), int(meta.shared), args)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def register(*, num_inputs: int, forward_allocs: Sequence[tuple], forward_launches: Sequence[tuple],

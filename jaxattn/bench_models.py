@@ -116,7 +116,7 @@ class Plan:
     max_calls: int = 50
     small_shape: tuple[int, int, int, int] = (1, 4, 128, 64)
     small_loop_s: float = 0.05
-    gen_runs: int = 5
+    gen_runs: int = 15
 
 
 def plan(size: str, device: str) -> Plan:

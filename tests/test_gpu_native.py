@@ -123,6 +123,40 @@ def test_compiled_program_replays_the_launches_bit_for_bit(monkeypatch):
     assert torch.equal(captured, want)
 
 
+def test_decoding_steps_run_compiled_programs_with_their_lengths(monkeypatch):
+    """Decoding calls (shape-dynamic kernels, whose sizes and strides are runtime integers) run as
+    compiled programs after a length's first call: every layer's call at that length equals the
+    Python launch path's bit for bit and torch's SDPA, across lengths crossing multiples of 16 and a
+    transposed cache."""
+    from jaxattn.bridge import triton_program
+    from jaxattn.torch_api import sdpa as sdpa_module
+    from jaxattn.torch_api.native_flash import flash_forward
+
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    assert triton_program.wait(600), triton_program.build_error()
+    monkeypatch.setattr(sdpa_module, "_plans", {})
+    monkeypatch.setattr(sdpa_module, "_decoding_plans", {})
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    b, hq, hk, d = 3, 32, 8, 64
+    cache = [torch.randn(b, 300, hk, d, generator=gen, device=DEV, dtype=torch.bfloat16) for _ in "kv"]
+    called = []
+    real = triton_program.forward_only
+    monkeypatch.setattr(triton_program, "forward_only", lambda *a: called.append(1) or real(*a))
+    for s in (130, 131, 144, 145, 160, 299):
+        q = torch.randn(b, 1, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (c[:, :s].transpose(1, 2) for c in cache)
+        with torch.no_grad():
+            layers = [scaled_dot_product_attention(q, k, v, enable_gqa=True) for _ in range(3)]
+        plan = next(p for p in sdpa_module._plans.values() if p.native is not None and p.seq_k == s)
+        with torch.no_grad():
+            python_path = flash_forward(q, k, v, plan.native)[0]  # the op's Python launch path
+        for out in layers:
+            assert torch.equal(out, python_path), s
+        want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.testing.assert_close(python_path, want, rtol=2e-2, atol=2e-2)
+    assert len(called) >= 2 * 6, "decoding calls did not run as compiled programs"
+
+
 def test_growing_cache_reuses_compilations_and_matches_torch(monkeypatch):
     """A decode call per cache length (lengths divisible by 16 and not, strides changing with them):
     each equals torch's SDPA, and the kernels are compiled/bound by Triton only a few times (a new

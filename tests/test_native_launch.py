@@ -29,6 +29,7 @@ from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 from jaxattn.jax_core.kernels.flash_plan import FlashConfig  # noqa: E402
 from jaxattn.torch_api import flash_attention, scaled_dot_product_attention, sdpa_launcher  # noqa: E402
 from jaxattn.torch_api import native_flash  # noqa: E402
+from jaxattn.torch_api import sdpa as sdpa_module  # noqa: E402
 from jaxattn.torch_api.native_flash import flash_forward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -374,12 +375,16 @@ def test_masked_tiles_are_skipped():
 def test_growing_cache_steps_rebind_one_planned_forward(monkeypatch):
     """Decoding steps on a growing cache (a transposed (B, S, Hk, D) buffer sliced to each length,
     GQA, lengths crossing multiples of 16): each new length matches torch, and only the first is
-    planned; the others rebind its sizes and strides."""
-    planned = []
+    planned, by the drop-in and by the launcher; the others rebind its sizes and strides."""
+    planned, checked = [], []
     real_plan = native_flash._plan_launches
     monkeypatch.setattr(native_flash, "_plan_launches", lambda *a: planned.append(a) or real_plan(*a))
     monkeypatch.setattr(native_flash, "_LAUNCHES", {})
     monkeypatch.setattr(native_flash, "_FOLLOWS_KEYS", {})
+    real_init = sdpa_module._Plan.__init__
+    monkeypatch.setattr(sdpa_module._Plan, "__init__", lambda self, *a: checked.append(a) or real_init(self, *a))
+    monkeypatch.setattr(sdpa_module, "_plans", {})
+    monkeypatch.setattr(sdpa_module, "_decoding_plans", {})
     gen = torch.Generator().manual_seed(5)
     b, hq, hk, d = 2, 4, 2, 16
     cache = torch.randn(b, 40, hk, d, generator=gen).to(DEVICE)
@@ -391,7 +396,7 @@ def test_growing_cache_steps_rebind_one_planned_forward(monkeypatch):
             out = scaled_dot_product_attention(q, k, v, enable_gqa=True)
         ref = F.scaled_dot_product_attention(*_f64(q, k, v), enable_gqa=True)
         assert_close_finite(f"out at S={s}", out.double().cpu(), ref.detach(), TOL)
-    assert len(planned) == 1
+    assert len(planned) == 1 and len(checked) == 1, (len(planned), len(checked))
 
 
 def test_repeated_no_grad_calls_reuse_the_planned_launch(monkeypatch):

@@ -20,6 +20,7 @@ path below runs instead, so the graph sees the checks and the custom op.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from typing import Optional, Sequence, Union
@@ -33,7 +34,7 @@ from ..bridge.dlpack import narrow_broadcast
 from ..jax_core import calls
 from .autocast import autocast_dtype, autocast_off, cast
 from .bucketing import bucket_length, current_sequence_buckets
-from .launch import current_launcher, native_config
+from .launch import NATIVE_DECODE_MAX_KEYS, current_launcher, native_config
 from .native_flash import NativeFlash
 from .selection import current_implementation, normalize_choice
 from .validation import check_finite, check_mask_shape, check_options, check_qkv, finite_check_applies
@@ -104,6 +105,8 @@ def scaled_dot_product_attention(
                 current_implementation(), current_sequence_buckets(), torch.is_grad_enabled(), current_launcher(),
             )
             plan = _plans.get(sig)
+            if plan is None and attn_mask is None:
+                plan = _grown_plan(sig, query, key, value)
         except (NotPlain, AttributeError, TypeError):  # unusual arguments: the plain path checks them
             sig = plan = None
         if sig is not None:
@@ -131,10 +134,49 @@ def scaled_dot_product_attention(
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         _plans[sig] = plan
+        _remember_decoding(sig, plan, query, key, value, attn_mask)
         if finite_check_applies(query.device):
             check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
         return plan(query, key, value, attn_mask)
     return _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
+
+
+#: Native decoding plans by their signature without the keys' length and strides: a growing KV cache
+#: meets a new length every step, whose plan is the last one's with its own launch (the checks, the
+#: choice and the kernels' settings do not depend on the length in this range; see `native_config`).
+_decoding_plans: dict[tuple, "_Plan"] = {}
+
+
+def _grown_plan(sig: tuple, query, key, value) -> Optional["_Plan"]:
+    """The plan of a decoding call (L <= 16 < S, no mask) whose signature differs from a planned
+    one's only in the keys' length and strides (kept in the memo), else None."""
+    if not (query.dim() == key.dim() == value.dim() == 4 and query.shape[2] <= 16 < key.shape[2]
+            <= NATIVE_DECODE_MAX_KEYS and key.shape[2] == value.shape[2]):
+        return None
+    family = (sig[0], _lengthless(key), _lengthless(value), *sig[3:])
+    plan = _decoding_plans.get(family)
+    if plan is None:
+        return None
+    grown = copy.copy(plan)
+    grown.seq_k = key.shape[2]
+    grown.native_call = NativeFlash(plan.native)
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[sig] = grown
+    return grown
+
+
+def _lengthless(t: torch.Tensor) -> tuple:
+    """A (B, H, S, D) tensor's signature without S and its strides (whether one is 0 stays: a
+    broadcast leaf that needs a gradient does not launch directly)."""
+    return (type(t), t.shape[:2], t.shape[3], t.dtype, t.device, t.requires_grad, t.is_leaf, 0 in t.stride())
+
+
+def _remember_decoding(sig: tuple, plan: "_Plan", query, key, value, attn_mask) -> None:
+    if plan.direct and attn_mask is None and query.shape[2] <= 16 < key.shape[2] <= NATIVE_DECODE_MAX_KEYS:
+        if len(_decoding_plans) >= MAX_PLANS:
+            _decoding_plans.clear()
+        _decoding_plans[(sig[0], _lengthless(key), _lengthless(value), *sig[3:])] = plan
 
 
 def _empty(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
