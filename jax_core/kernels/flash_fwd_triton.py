@@ -17,6 +17,7 @@ Tensors (each passed as a pointer plus 4 element strides):
     Bias (B, Hq, L, S) float, optional; broadcast dims have stride 0.
     Mask (B, Hq, L, S) int8 (1 = attend), optional; broadcast dims have stride 0.
     Sinks (Hq,) float32, optional: one extra logit per query head that only joins the denominator.
+    Alibi float32 slopes, optional (ALIBI): (Hq,) or (B, Hq) through a batch stride (0 for (Hq,)).
     Out (B, Hq, L, Dv) in Q's dtype; Lse (B, Hq, L) float32 contiguous, natural-log LSE.
 
 Algorithm: one program per (query block of BLOCK_M rows, batch * query head). It streams the key
