@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .capabilities import AttentionInputs, Capabilities, CausalAlignment
+from .masks import alibi_bias
 from .metadata import AttentionMetadata, Mode, backend_of, platform_of
 
 Layout = Literal["BTHD", "BHTD"]
@@ -92,12 +93,32 @@ class AttentionImpl(abc.ABC):
         return []
 
     @classmethod
+    def takes_alibi_slopes(cls, inputs: AttentionInputs) -> bool:
+        """Whether the kernels that run `inputs` apply ALiBi slopes themselves (then `forward_*` gets
+        `alibi_slopes=`). Otherwise `__call__` adds the ALiBi bias (`masks.alibi_bias`) to `bias`,
+        so the call needs the "bias" feature instead of "alibi"."""
+        return False
+
+    @classmethod
+    def _alibi_as_bias(cls, inputs: AttentionInputs) -> tuple[AttentionInputs, list[str]]:
+        """`inputs` as this implementation runs them (ALiBi as a bias where its kernels lack it), and
+        the reason it cannot run ALiBi at all (no bias either)."""
+        if "alibi" not in inputs.features or cls.takes_alibi_slopes(inputs):
+            return inputs, []
+        features = inputs.features - {"alibi"}
+        if "bias" not in cls.capabilities.features:
+            return dataclasses.replace(inputs, features=features), [
+                "feature 'alibi' not supported (its kernels take no ALiBi slopes and no additive bias to carry them)"]
+        return dataclasses.replace(inputs, features=features | {"bias"}), []
+
+    @classmethod
     def not_supported_reasons(
         cls, inputs: AttentionInputs, metadata: Optional[AttentionMetadata] = None
     ) -> list[str]:
         """Every reason this implementation cannot run `inputs` (empty when it can)."""
         metadata = metadata if metadata is not None else AttentionMetadata()
-        reasons = cls.capabilities.reasons(inputs)
+        inputs, reasons = cls._alibi_as_bias(inputs)
+        reasons = reasons + cls.capabilities.reasons(inputs)
         if inputs.num_q_heads % inputs.num_kv_heads:
             reasons.append(f"num_q_heads={inputs.num_q_heads} is not a multiple of num_kv_heads={inputs.num_kv_heads}")
         if metadata.mesh is not None:
@@ -167,6 +188,7 @@ class AttentionImpl(abc.ABC):
         segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
         cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None,
         max_seqlen: Optional[tuple[int, int]] = None,
+        alibi_slopes: Optional[jax.Array] = None,
     ) -> AttentionOutput:
         """Runs attention on (B, T, Hq, D) query, (B, S, Hk, D) key and (B, S, Hk, Dv) value.
 
@@ -204,6 +226,11 @@ class AttentionImpl(abc.ABC):
             max_seqlen: (max_seqlen_q, max_seqlen_k) static Python ints >= 1 bounding the
                 per-sequence lengths (kernels size their grids by them); None: unknown (Tq, Tk
                 bound them). Only with `cu_seqlens`.
+            alibi_slopes: float (Hq,) or (B, Hq) ALiBi slopes (B = the number of sequences with
+                `cu_seqlens`), flash-attn's convention: -slope * |i + S - T - j| is added to the
+                logit of query i and key j after scale and soft cap, the distance aligned
+                bottom-right whatever `causal_alignment` (positions and lengths of each sequence
+                with `cu_seqlens`). No gradient flows to the slopes. See `masks.alibi_bias`.
 
         Returns:
             AttentionOutput with `attention_outputs` of shape (B, T, Hq, Dv).
@@ -226,6 +253,7 @@ class AttentionImpl(abc.ABC):
                 causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                 softmax_aux=softmax_aux, dropout_rng=dropout_rng, return_weights=return_weights,
                 return_lse=return_lse, segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                alibi_slopes=alibi_slopes,
             )
             return out.replace(attention_outputs=swap(out.attention_outputs))
         native = (query, key, value)
@@ -233,6 +261,7 @@ class AttentionImpl(abc.ABC):
             query, key, value = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype) for x in native)
         _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, sliding_window)
         _check_packing(query, key, segment_ids, cu_seqlens, max_seqlen)
+        _check_alibi(alibi_slopes, query, cu_seqlens)
         segment_ids, cu_seqlens = _as_int32(segment_ids), _as_int32(cu_seqlens)
         platform = self.metadata.platform or platform_of(query, key, value)
         backend = self.metadata.backend or backend_of(platform)
@@ -242,12 +271,19 @@ class AttentionImpl(abc.ABC):
             logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
             dropout=dropout_rng is not None and self.metadata.dropout_prob > 0, return_weights=return_weights,
             return_lse=return_lse, segment_ids=segment_ids is not None, varlen=cu_seqlens is not None,
+            alibi=alibi_slopes is not None,
         )
         reasons = self.not_supported_reasons(inputs, self.metadata)
         if reasons:
             raise ValueError(
                 f"implementation {self.canonical_name()!r} cannot run this call: " + "; ".join(reasons)
             )
+        extra = {}
+        if alibi_slopes is not None and self.takes_alibi_slopes(inputs):
+            extra["alibi_slopes"] = alibi_slopes
+        elif alibi_slopes is not None:
+            alibi = alibi_bias(alibi_slopes, query.shape[1], key.shape[1], cu_seqlens)
+            bias = alibi if bias is None else bias + alibi
         forward = {
             "tpu": self.forward_tpu,
             "cuda": self.forward_cuda,
@@ -260,7 +296,7 @@ class AttentionImpl(abc.ABC):
             dropout_rng=dropout_rng if self.metadata.dropout_prob > 0 else None,
             return_weights=return_weights, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
             max_seqlen=None if max_seqlen is None else tuple(max_seqlen),
-            **({"layout": layout} if len(self.layouts) > 1 else {}),
+            **({"layout": layout} if len(self.layouts) > 1 else {}), **extra,
         )
         return out if return_lse else out.replace(lse=None)
 
@@ -348,6 +384,19 @@ def _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, 
     if sliding_window is not None:
         if len(sliding_window) != 2 or any(not isinstance(w, int) or w < -1 for w in sliding_window):
             raise ValueError(f"sliding_window={sliding_window!r}: expected (left, right) ints >= -1.")
+
+
+def _check_alibi(slopes, query, cu_seqlens) -> None:
+    """ALiBi slopes: a float (Hq,) or (B, Hq) array, B the batch or, with cu_seqlens, the sequences."""
+    if slopes is None:
+        return
+    hq = query.shape[2]
+    b = query.shape[0] if cu_seqlens is None else cu_seqlens[0].shape[0] - 1
+    shape = tuple(getattr(slopes, "shape", ()))
+    if not hasattr(slopes, "dtype") or not jnp.issubdtype(slopes.dtype, jnp.floating) or shape not in ((hq,), (b, hq)):
+        what = "sequences" if cu_seqlens is not None else "batch"
+        raise ValueError(f"alibi_slopes: shape {shape} and dtype {getattr(slopes, 'dtype', type(slopes).__name__)}; "
+                         f"expected a float array of shape (Hq,)=({hq},) or (B, Hq)=({b}, {hq}) (B: the {what}).")
 
 
 def _shape_of(x: Any) -> Any:

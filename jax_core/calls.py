@@ -55,10 +55,11 @@ def sdpa_features(query, key, value, attn_mask, sinks, seed, *, causal, scale, s
     return out.attention_outputs
 
 
-def _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
+def _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, *,
            causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, return_lse, implementation,
            platform):
-    """(B, Hq, L, E) / (B, Hk, S, E|Ev) arrays, or packed (total, H, E) ones with cu_seqlens."""
+    """(B, Hq, L, E) / (B, Hk, S, E|Ev) arrays, or packed (total, H, E) ones with cu_seqlens; ALiBi
+    slopes (Hq,) or (B, Hq) float32 or None."""
     varlen = cu_seqlens_q is not None
     segment_ids = cu_seqlens = None
     if q_segment_ids is not None:
@@ -71,7 +72,7 @@ def _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q
         query, key, value, causal=causal, causal_alignment=causal_alignment, sliding_window=window,
         logits_soft_cap=softcap, softmax_aux=sinks, dropout_rng=_dropout_rng(seed), return_lse=return_lse,
         implementation=implementation, layout="BTHD" if varlen else "BHTD", segment_ids=segment_ids,
-        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, alibi_slopes=alibi_slopes,
         metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
     )
     result, lse = out.attention_outputs, out.lse
@@ -80,22 +81,24 @@ def _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q
     return (result, lse) if return_lse else result
 
 
-def flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
-          causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation, platform):
+def flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
+          alibi_slopes=None, *, causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation,
+          platform):
     """The flash-attention features call: the output, (B, Hq, L, Ev) or packed (total_q, Hq, Ev)."""
     return _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
-                  causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap, scale=scale,
-                  dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=False, implementation=implementation,
-                  platform=platform)
+                  alibi_slopes, causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap,
+                  scale=scale, dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=False,
+                  implementation=implementation, platform=platform)
 
 
-def flash_with_lse(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, *,
-                   causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation, platform):
+def flash_with_lse(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
+                   alibi_slopes=None, *, causal, causal_alignment, window, softcap, scale, dropout_p, max_seqlen, implementation,
+          platform):
     """`flash` and the float32 log-sum-exp, (B, Hq, L) or (Hq, total_q)."""
     return _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed,
-                  causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap, scale=scale,
-                  dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=True, implementation=implementation,
-                  platform=platform)
+                  alibi_slopes, causal=causal, causal_alignment=causal_alignment, window=window, softcap=softcap,
+                  scale=scale, dropout_p=dropout_p, max_seqlen=max_seqlen, return_lse=True,
+                  implementation=implementation, platform=platform)
 
 
 def _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,

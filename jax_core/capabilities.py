@@ -26,6 +26,9 @@ FEATURES = frozenset(
         "causal",  # causal mask aligned top-left (torch's is_causal)
         "causal_bottom_right",  # causal mask or window aligned bottom-right (KV-cache / flash-attn style)
         "bias",  # additive float bias broadcastable to (B, Hq, T, S)
+        # ALiBi slopes (Hq,) or (B, Hq): -slope * |i + S - T - j| joins the logits. Implementations
+        # without it in their kernels (`AttentionImpl.takes_alibi_slopes`) get it as a "bias".
+        "alibi",
         "bool_mask",  # boolean mask (True = attend) broadcastable to (B, Hq, T, S)
         "dropout",
         "gqa",  # Hk < Hq without repeating K/V in memory
@@ -95,10 +98,12 @@ class AttentionInputs:
         backward: bool = False,
         segment_ids: bool = False,
         varlen: bool = False,
+        alibi: bool = False,
     ) -> "AttentionInputs":
         """Describes a call on (B, T, H, D) arrays (anything with `.shape` and `.dtype`).
 
-        `segment_ids` and `varlen` say whether segment ids / cu_seqlens are given. With `varlen`,
+        `segment_ids`, `varlen` and `alibi` say whether segment ids / cu_seqlens / ALiBi slopes are
+        given. With `varlen`,
         a bottom-right alignment counts as "causal_bottom_right" even when T == S, since the
         packed sequences may each have L != S.
         """
@@ -134,6 +139,8 @@ class AttentionInputs:
             features.add("segment_ids")
         if varlen:
             features.add("varlen")
+        if alibi:
+            features.add("alibi")
         return cls(
             batch=b,
             q_len=t,

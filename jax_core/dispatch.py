@@ -42,6 +42,7 @@ def attention(
     segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
     cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None,
     max_seqlen: Optional[tuple[int, int]] = None,
+    alibi_slopes: Optional[jax.Array] = None,
 ) -> AttentionOutput:
     """Attention on (B, T, Hq, D) / (B, S, Hk, D) / (B, S, Hk, Dv) arrays by a registered implementation.
 
@@ -60,6 +61,9 @@ def attention(
         max_seqlen: static (max_seqlen_q, max_seqlen_k) ints bounding the per-sequence lengths, or
             None; only with `cu_seqlens`.
 
+    alibi_slopes: float (Hq,) or (B, Hq) ALiBi slopes (see `AttentionImpl.__call__`); an
+        implementation whose kernels lack ALiBi gets it as an additive bias.
+
     Returns:
         AttentionOutput; `attention_outputs` has shape (B, T, Hq, Dv).
 
@@ -71,14 +75,14 @@ def attention(
         query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
         dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, metadata=metadata,
-        layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+        layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
     )
     impl_cls = AttentionRegistry.select(inputs, metadata, implementation)
     return _instance(impl_cls, metadata)(
         query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
         dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, layout=layout,
-        segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, alibi_slopes=alibi_slopes,
     )
 
 
@@ -86,7 +90,7 @@ def call_inputs(query, key, value, *, bias=None, mask=None, causal: bool = False
                 causal_alignment: CausalAlignment = "top_left", sliding_window=None, logits_soft_cap=None,
                 softmax_aux=None, dropout_rng=None, return_weights: bool = False, return_lse: bool = False,
                 metadata: Optional[AttentionMetadata] = None, layout: Layout = "BTHD", segment_ids=None,
-                cu_seqlens=None) -> tuple[AttentionInputs, AttentionMetadata]:
+                cu_seqlens=None, alibi_slopes=None) -> tuple[AttentionInputs, AttentionMetadata]:
     """The signature `attention` selects on, and the metadata with its platform and backend filled in.
 
     The arrays may be `jax.ShapeDtypeStruct`s (only shapes and dtypes are read) when
@@ -107,7 +111,7 @@ def call_inputs(query, key, value, *, bias=None, mask=None, causal: bool = False
         causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         softmax_aux=softmax_aux, dropout=dropout_rng is not None and metadata.dropout_prob > 0,
         return_weights=return_weights, return_lse=return_lse, segment_ids=segment_ids is not None,
-        varlen=cu_seqlens is not None,
+        varlen=cu_seqlens is not None, alibi=alibi_slopes is not None,
     )
     return inputs, metadata
 

@@ -7,7 +7,8 @@ Features there: both causal alignments, native GQA/MQA, additive bias and bool m
 dims read with stride 0), sliding windows, logits soft cap (hardware tanh for 16-bit inputs),
 attention sinks, segment ids (key blocks outside a query block's segments are skipped), varlen
 packing (`cu_seqlens`, one program per sequence and block, no padding), dropout (Philox from a seed,
-regenerated in the backward), head dims up to 256, returning the LSE.
+regenerated in the backward), ALiBi slopes (computed in the kernels, no bias matrix), head dims up
+to 256, returning the LSE.
 
 TPU: JAX's Pallas TPU flash kernel (`jax.experimental.pallas.ops.tpu.flash_attention`): top-left
 causal or none, bias, segment ids, equal head counts; no varlen, no dropout.
@@ -30,7 +31,7 @@ from .registry import AttentionRegistry
 
 _GPU_FEATURES = frozenset(
     {"causal", "causal_bottom_right", "bias", "bool_mask", "gqa", "sliding_window", "softcap", "sinks", "lse",
-     "backward", "segment_ids", "varlen", "dropout"}
+     "backward", "segment_ids", "varlen", "dropout", "alibi"}
 )
 # The Pallas TPU kernel keeps its log-sum-exp internal: "lse" is not among these.
 _TPU_FEATURES = frozenset({"causal", "bias", "segment_ids", "backward"})
@@ -73,6 +74,11 @@ class FlashAttn(AttentionImpl):
         return reasons
 
     @classmethod
+    def takes_alibi_slopes(cls, inputs: AttentionInputs) -> bool:
+        """The Triton kernels compute ALiBi; on TPU it is a bias for the Pallas kernel."""
+        return inputs.platform == "gpu"
+
+    @classmethod
     def triton_kernel_reasons(cls, inputs: AttentionInputs) -> list[str]:
         """Why the Triton kernels cannot run `inputs` (described as a GPU call), whoever launches them."""
         gpu = dataclasses.replace(inputs, platform="gpu", backend="cuda")
@@ -94,28 +100,28 @@ class FlashAttn(AttentionImpl):
 
     def forward_cuda(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
                      logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
-                     segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+                     segment_ids=None, cu_seqlens=None, max_seqlen=None, alibi_slopes=None) -> AttentionOutput:
         return self._forward_triton(
             query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
             dropout_rng=dropout_rng, layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, fast_tanh=True,
+            max_seqlen=max_seqlen, fast_tanh=True, alibi_slopes=alibi_slopes,
         )
 
     def forward_rocm(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
                      logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
-                     segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+                     segment_ids=None, cu_seqlens=None, max_seqlen=None, alibi_slopes=None) -> AttentionOutput:
         # The same Triton kernels (untested on ROCm); PTX's hardware tanh is NVIDIA-only.
         return self._forward_triton(
             query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
             dropout_rng=dropout_rng, layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, fast_tanh=False,
+            max_seqlen=max_seqlen, fast_tanh=False, alibi_slopes=alibi_slopes,
         )
 
     def _forward_triton(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
                         logits_soft_cap, softmax_aux, dropout_rng, layout, segment_ids, cu_seqlens, max_seqlen,
-                        fast_tanh) -> AttentionOutput:
+                        fast_tanh, alibi_slopes=None) -> AttentionOutput:
         """The Triton kernels through jax-triton; arguments as in `AttentionImpl.__call__`.
 
         Dropout draws its Philox seed from `dropout_rng`; varlen grids cover `max_seqlen` (or the
@@ -150,6 +156,7 @@ class FlashAttn(AttentionImpl):
             segment_ids=None if segment_ids is None else tuple(segment_ids),
             cu_seqlens=None if cu_seqlens is None else tuple(cu_seqlens),
             seed=seed,
+            alibi_slopes=alibi_slopes,
         )
         out, lse = flash_attention_triton(
             query, key, value, _four_d(bias), None if mask is None else _four_d(mask).astype(jnp.int8),

@@ -134,3 +134,45 @@ def varlen_mask(
             if right >= 0:
                 visible &= key <= pos + right
     return visible[None, None]
+
+
+def alibi_bias(
+    slopes: jax.Array,
+    q_len: int,
+    kv_len: int,
+    cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None,
+) -> jax.Array:
+    """ALiBi as an additive float32 bias: -slope * |i + S - T - j| for query i and key j.
+
+    The distance is flash-attn's, aligned bottom-right whatever the causal alignment: the last
+    query and the last key are at distance 0. It is the same formula with and without causality
+    (flash-attn's causal kernel adds slope * j instead, which differs by a per-row constant: equal
+    outputs and gradients, a different LSE). With varlen packing, i, j, T and S are the positions and
+    lengths within each sequence; pairs of different sequences get an arbitrary finite value (the
+    varlen mask hides them).
+
+    Args:
+        slopes: (Hq,) or (B, Hq) slopes, B the batch (the number of sequences with `cu_seqlens`).
+        q_len, kv_len: T and S (the packed lengths with `cu_seqlens`).
+        cu_seqlens: None, or (cu_seqlens_q (N + 1,), cu_seqlens_k (N + 1,)).
+
+    Returns:
+        float32 (1|B, Hq, T, S) bias; (Hq,) slopes broadcast over the batch. With `cu_seqlens` the
+        batch dim is 1 (the packed batch) and sequence n uses slopes[n].
+    """
+    slopes = jax.lax.stop_gradient(jnp.asarray(slopes, jnp.float32))  # ALiBi slopes get no gradient
+    if slopes.ndim == 1:
+        slopes = slopes[None]
+    if cu_seqlens is None:
+        rows = jnp.arange(q_len)[:, None] + (kv_len - q_len)
+        distance = jnp.abs(rows - jnp.arange(kv_len)[None, :]).astype(jnp.float32)
+        return -slopes[:, :, None, None] * distance[None, None]
+    cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in cu_seqlens)
+    seq_q, _ = _sequence_of(cu_q, q_len)
+    seq_k, _ = _sequence_of(cu_k, kv_len)
+    shift = (jnp.diff(cu_k) - jnp.diff(cu_q))[seq_q]
+    rows = (jnp.arange(q_len) - cu_q[seq_q] + shift)[:, None]
+    keys = (jnp.arange(kv_len) - cu_k[seq_k])[None, :]
+    distance = jnp.abs(rows - keys).astype(jnp.float32)  # (T, S)
+    per_row = jnp.broadcast_to(slopes, (cu_q.shape[0] - 1, slopes.shape[-1]))[seq_q]  # (T, Hq)
+    return (-per_row.T[:, :, None] * distance[None])[None]

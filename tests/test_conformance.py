@@ -110,6 +110,11 @@ def _case(feature: str, seed: int, s: int = S):
     elif feature == "varlen":
         call = dict(cu_seqlens=tuple(np.array(c, np.int32) for c in (CU_Q, CU_K)))
         oracle = dict(cu_seqlens=(CU_Q, CU_K))
+    elif feature == "alibi":  # oracle: the bias -slope * |i + S - T - j| written out
+        slopes = rng.random(HQ).astype(np.float32)
+        distance = np.abs(np.arange(T)[:, None] + (s - T) - np.arange(s)[None, :])
+        call = dict(alibi_slopes=slopes)
+        oracle = dict(bias=torch.from_numpy(-slopes.astype(np.float64)[None, :, None, None] * distance))
     elif feature == "lse":
         call = dict(return_lse=True)
     elif feature == "weights":
@@ -123,7 +128,7 @@ def _signature(q, k, v, call: dict, feature: str, platform: str, backend: str) -
                                   "softmax_aux", "return_weights", "return_lse") if n in call}
     return AttentionInputs.from_arrays(q, k, v, platform=platform, backend=backend, dropout=feature == "dropout",
                                        backward=feature == "backward", segment_ids="segment_ids" in call,
-                                       varlen="cu_seqlens" in call, **flags)
+                                       varlen="cu_seqlens" in call, alibi="alibi_slopes" in call, **flags)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,7 +194,7 @@ def _run_torch(impl, launcher, arrays, call, cot, feature):
             kw = dict(causal=t.get("causal", False), causal_alignment=t.get("causal_alignment", "top_left"),
                       window=t.get("sliding_window"), softcap=t.get("logits_soft_cap"), sinks=t.get("softmax_aux"),
                       segment_ids=t.get("segment_ids"), return_lse=t.get("return_lse", False), implementation=impl,
-                      dropout_p=DROPOUT_P if feature == "dropout" else 0.0)
+                      dropout_p=DROPOUT_P if feature == "dropout" else 0.0, alibi_slopes=t.get("alibi_slopes"))
             if "cu_seqlens" in t:  # packed (total, H, E)
                 cu_q, cu_k = t["cu_seqlens"]
                 q_, k_, v_ = (x[0].transpose(0, 1) for x in (q, k, v))
@@ -238,6 +243,8 @@ def test_declared_features_compute_and_others_raise(impl, launcher, feature, mon
         else:
             reasons = impl_cls.not_supported_reasons(signature, md)
         declared = feature in impl_cls.capabilities.features
+        if feature == "alibi":  # implementations without ALiBi kernels run it as an additive bias
+            declared = declared or "bias" in impl_cls.capabilities.features
         refused = [r for r in reasons if repr(feature) in r]
         assert declared or refused, f"{impl} does not declare {feature!r}, yet its reasons do not say so: {reasons}"
 

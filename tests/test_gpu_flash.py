@@ -182,3 +182,33 @@ def test_sdpa_dropout_on_gpu_selects_flash():
     torch.manual_seed(0)
     b = scaled_dot_product_attention(q, k, v, dropout_p=0.1, implementation="flash")
     assert torch.equal(a, b)
+
+
+ALIBI_CASES = [
+    dict(b=2, hq=4, hk=2, l=97, s=1025, d=64, causal=True, alignment="bottom_right", per_batch=True),
+    dict(b=1, hq=8, hk=2, l=130, s=97, d=80, causal=True),
+    dict(b=1, hq=4, hk=4, l=200, s=300, d=128, window=(32, 16), alignment="bottom_right", softcap=30.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=_case_id)
+def test_flash_alibi_on_gpu(case, dtype):
+    """ALiBi slopes against the float64 reference with the bias -slope * |i + S - L - j| written out."""
+    case = dict(case)
+    gen = torch.Generator(device=DEV).manual_seed(len(_case_id(case)) + (dtype == torch.float16))
+    b, hq, hk, l, s, d = (case.pop(n) for n in ("b", "hq", "hk", "l", "s", "d"))
+    q = torch.randn(b, hq, l, d, generator=gen, device=DEV).to(dtype).requires_grad_()
+    k, v = (torch.randn(b, hk, s, d, generator=gen, device=DEV).to(dtype).requires_grad_() for _ in "kv")
+    slopes = torch.rand(b, hq, generator=gen, device=DEV) * 0.3 if case.pop("per_batch", False) else \
+        torch.rand(hq, generator=gen, device=DEV) * 0.3
+    alignment = case.pop("alignment", "top_left")
+    kw = dict(causal=case.get("causal", False), window=case.get("window"), softcap=case.get("softcap"))
+    out = flash_attention(q, k, v, causal_alignment=alignment, alibi_slopes=slopes, implementation="flash", **kw)
+    distance = (torch.arange(l, device=DEV)[:, None] + (s - l) - torch.arange(s, device=DEV)[None, :]).abs()
+    bias = -slopes.double().reshape(-1, hq)[:, :, None, None] * distance.double()
+    ref, _ = reference(q, k, v, alignment=alignment, bias=bias, **kw)
+    low, _ = reference(q, k, v, alignment=alignment, bias=bias, dtype=dtype, **kw)
+    dout = torch.randn(out.shape, generator=gen, device=DEV).to(dtype)
+    _check_2x(out, ref, low, torch.autograd.grad(out, (q, k, v), dout),
+              torch.autograd.grad(ref, (q, k, v), dout.double()), torch.autograd.grad(low, (q, k, v), dout))

@@ -155,7 +155,8 @@ def decode_attention(
         sinks: (Hq,) or (Hq, n) float attention-sink logits (gpt-oss style).
         scale: softmax scale, default 1/sqrt(D).
         cache_layout: "BSHD" or "BHSD" for a contiguous cache (paged caches have one layout).
-        return_lse: also return the (B, Hq, T) float32 log-sum-exp of each query's logits.
+        return_lse: also return the (B, Hq, T) float32 log-sum-exp of each query's logits (sinks
+            included; -inf for a query that sees no key and has no sink).
         kernel: "triton" (CUDA), "pallas" (TPU), "xla" (anywhere), or None for the device's.
 
     Returns:

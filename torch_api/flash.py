@@ -22,6 +22,13 @@ Varlen packing (flash-attn's layout): with `cu_seqlens_q` / `cu_seqlens_k` (N + 
 queries [cu_q[n], cu_q[n + 1]) and keys [cu_k[n], cu_k[n + 1]). Causality and windows use positions
 local to each sequence (bottom-right: offset len_k(n) - len_q(n)). Query rows from cu_q[N] on
 (padding) give 0 and LSE -inf.
+
+ALiBi (`alibi_slopes`, flash-attn's convention): the logit of query i and key j gets
+-slope * |i + S - L - j|, a distance aligned bottom-right whatever the causal alignment (L=3, S=5:
+query 2 is at distance 0 from key 4); with varlen, positions and lengths of each sequence.
+
+LSE of a row that sees no key (fully masked, outside every varlen sequence, no sink): -inf, the log
+of an empty sum, on every path (flash-attn returns +inf there). Its output row is 0.
 """
 
 from __future__ import annotations
@@ -176,6 +183,24 @@ def _check_options(causal_alignment, window, softcap, sinks, scale, hq: int, dev
     return window
 
 
+def _check_alibi(alibi_slopes, q: torch.Tensor, batch: int, varlen: bool) -> None:
+    """ALiBi slopes as flash-attn takes them: float32 (Hq,) or (batch, Hq) on q's device (q: (B, Hq, L, E) or
+    packed (total_q, Hq, E))."""
+    if alibi_slopes is None:
+        return
+    hq = q.shape[1]
+    batch_name = "N sequences" if varlen else "B"
+    want = f"a float32 tensor of shape (Hq,)=({hq},) or ({batch_name}, Hq)=({batch}, {hq}) on {q.device}"
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected {want}, got {type(alibi_slopes).__name__}.")
+    if tuple(alibi_slopes.shape) not in ((hq,), (batch, hq)) or alibi_slopes.dtype != torch.float32:
+        raise AttentionInputError(f"alibi_slopes: got {describe(alibi_slopes)}; expected {want} (one slope per query "
+                                  "head, optionally per batch row; e.g. slopes.float()).")
+    if alibi_slopes.device != q.device:
+        raise AttentionInputError(f"alibi_slopes: on {alibi_slopes.device} but q is on {q.device} (move it with "
+                                  ".to(q.device)).")
+
+
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}.")
@@ -208,6 +233,7 @@ def flash_attention(
     scale: Optional[float] = None,
     return_lse: bool = False,
     implementation: Union[None, str, Sequence[str]] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Attention with flash-attention features, differentiable and torch.compile-traceable.
 
@@ -242,11 +268,19 @@ def flash_attention(
             forward's mask.
         scale: softmax scale, default 1/sqrt(E).
         return_lse: also return the float32 log-sum-exp (sinks included; -inf for rows that see no
-            key): (B, Hq, L), or (Hq, total_q) with cu_seqlens (flash-attn's varlen convention).
+            key, where flash-attn returns +inf): (B, Hq, L), or (Hq, total_q) with cu_seqlens
+            (flash-attn's varlen convention).
         implementation: None selects automatically (`jax_core.registry.platform_order`): on CUDA
             cuDNN for long sequences with head dims <= 128 when it supports the call, else our flash
             kernels; on CPU "sdpa", then the "vanilla" reference. A name forces one; a tuple of names
             tries them in order.
+        alibi_slopes: float32 (Hq,) or (B, Hq) ALiBi slopes on q's device (with cu_seqlens, B is
+            the number of sequences), flash-attn's convention: -slope * |i + S - L - j| is added to
+            the logit of query i and key j after scale and soft cap, the distance aligned
+            bottom-right whatever `causal_alignment` (with cu_seqlens, positions and lengths of
+            each sequence); the slope is per query head (GQA too). The slopes get no gradient.
+            The LSE includes the bias as written; flash-attn's causal kernel adds slope * j instead
+            (the same output and gradients, an LSE larger by slope * (i + S - L)).
 
     Returns:
         (B, Hq, L, Ev) output, or (total_q, Hq, Ev) with cu_seqlens; (output, lse) with `return_lse`.
@@ -264,7 +298,7 @@ def flash_attention(
                 *(cast(amp, kind, t) for t in (q, k, v)), causal=causal, causal_alignment=causal_alignment,
                 window=window, softcap=softcap, sinks=sinks, segment_ids=segment_ids, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
-                scale=scale, return_lse=return_lse, implementation=implementation)
+                scale=scale, return_lse=return_lse, implementation=implementation, alibi_slopes=alibi_slopes)
     varlen = cu_seqlens_q is not None
     if varlen:
         _check_varlen_qkv(q, k, v)
@@ -282,6 +316,7 @@ def flash_attention(
                 raise AttentionInputError(f"{name} ({shown}): only used with cu_seqlens_q (the varlen layout); pass "
                                           "both cu_seqlens_q and cu_seqlens_k, or drop it.")
     window = _check_options(causal_alignment, window, softcap, sinks, scale, q.shape[1], q.device)
+    _check_alibi(alibi_slopes, q, cu_seqlens_q.numel() - 1 if varlen else q.shape[0], varlen)
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     dropout_p = _check_dropout(dropout_p)
@@ -295,7 +330,7 @@ def flash_attention(
     if varlen:
         _check_cu_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], (max_seqlen_q, max_seqlen_k), max_seqlen)
     choice = normalize_choice(implementation) if implementation is not None else None
-    check_finite({"q": q, "k": k, "v": v, "sinks": sinks})
+    check_finite({"q": q, "k": k, "v": v, "sinks": sinks, "alibi_slopes": alibi_slopes})
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=q.device)
@@ -305,11 +340,15 @@ def flash_attention(
                            bottom_right=causal_alignment == "bottom_right", window=window, softcap=softcap,
                            sinks=sinks is not None, dropout_p=dropout_p, lse=return_lse, scale=scale,
                            segments=q_ids is not None,
-                           varlen=(max_seqlen or (q.shape[0], k.shape[0])) if varlen else None)
+                           varlen=(max_seqlen or (q.shape[0], k.shape[0])) if varlen else None,
+                           alibi=alibi_slopes is not None)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach()  # no gradient, as flash-attn
     if native is not None:
         out, lse = flash_forward(nq, nk, nv, native, sinks=sinks, seed=seed,
                                  segment_ids=None if q_ids is None else (q_ids, q_ids if kv_ids is None else kv_ids),
-                                 cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else None)
+                                 cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else None,
+                                 alibi_slopes=alibi_slopes)
         if varlen:  # (1, Hq, total_q, Ev) view of (1, total_q, Hq, Ev) memory -> (total_q, Hq, Ev)
             out, lse = out.transpose(1, 2)[0], lse[0]
         return (out, lse) if return_lse else out
@@ -320,5 +359,5 @@ def flash_attention(
         platform="cpu" if q.device.type == "cpu" else "gpu",
     )
     op = _flash_lse_jax if return_lse else _flash_jax
-    return op(q, k, v, sinks, q_ids, kv_ids, cu_seqlens_q, cu_seqlens_k, seed, **static)
+    return op(q, k, v, sinks, q_ids, kv_ids, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, **static)
 

@@ -163,7 +163,7 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
                   causal: bool = False, bottom_right: bool = False, window: Optional[tuple[int, int]] = None,
                   softcap: Optional[float] = None, sinks: bool = False, mask: Optional[torch.dtype] = None,
                   dropout_p: float = 0.0, lse: bool = False, scale: Optional[float] = None, segments: bool = False,
-                  varlen: Optional[tuple[int, int]] = None) -> Optional[FlashConfig]:
+                  varlen: Optional[tuple[int, int]] = None, alibi: bool = False) -> Optional[FlashConfig]:
     """The flash kernels' settings when the native launcher runs a (B, Hq, L, E) / (B, Hk, S, E) call,
     else None (the XLA bridge runs it).
 
@@ -173,13 +173,14 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
         segments: the call has segment ids.
         varlen: (max_seqlen_q, max_seqlen_k) of a packed (varlen) call, else None; q_shape and
             k_shape are then (1, H, total, D).
+        alibi: the call has ALiBi slopes.
         Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
     """
     l, s = q_shape[2], k_shape[2]
     # A decoding call's settings do not depend on its key length (a new one each step of a
     # growing cache): memoized without it.
     memo = None
-    if l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments and varlen is None:
+    if l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments and varlen is None and not alibi:
         memo = (tuple(q_shape), tuple(k_shape[:2]), k_shape[3], value_head_dim, dtype, device, choice,
                 current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, causal, window, softcap, sinks, mask,
                 dropout_p, lse, scale)
@@ -187,7 +188,8 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
             return _DECODE_CONFIGS[memo]
     config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, causal=causal,
                             bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks, mask=mask,
-                            dropout_p=dropout_p, lse=lse, scale=scale, segments=segments, varlen=varlen)
+                            dropout_p=dropout_p, lse=lse, scale=scale, segments=segments, varlen=varlen,
+                            alibi=alibi)
     if memo is not None:
         if len(_DECODE_CONFIGS) >= 1024:
             _DECODE_CONFIGS.clear()
@@ -199,10 +201,11 @@ _DECODE_CONFIGS: dict = {}
 
 
 def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, causal, bottom_right, window, softcap,
-                   sinks, mask, dropout_p, lse, scale, segments, varlen) -> Optional[FlashConfig]:
+                   sinks, mask, dropout_p, lse, scale, segments, varlen, alibi=False) -> Optional[FlashConfig]:
     l, s = q_shape[2], k_shape[2]
     features = call_features(l, s, causal=causal, bottom_right=bottom_right, window=window, softcap=softcap,
-                             sinks=sinks, mask=mask, dropout_p=dropout_p, lse=lse, segments=segments, varlen=varlen)
+                             sinks=sinks, mask=mask, dropout_p=dropout_p, lse=lse, segments=segments, varlen=varlen,
+                             alibi=alibi)
     if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
         return None
     return FlashConfig(
@@ -218,7 +221,7 @@ def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, c
 def call_features(l: int, s: int, *, causal: bool = False, bottom_right: bool = False,
                   window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None, sinks: bool = False,
                   mask: Optional[torch.dtype] = None, dropout_p: float = 0.0, lse: bool = False,
-                  segments: bool = False, varlen: Optional[tuple[int, int]] = None) -> set:
+                  segments: bool = False, varlen: Optional[tuple[int, int]] = None, alibi: bool = False) -> set:
     """jax_core's feature names of a (L queries, S keys) call with these options (see `native_config`)."""
     # Packed sequences align per sequence (the kernels' VARLEN_BOTTOM_RIGHT), never by S - L.
     shifted = bottom_right and (l != s or varlen is not None)
@@ -230,7 +233,8 @@ def call_features(l: int, s: int, *, causal: bool = False, bottom_right: bool = 
     if mask is not None:
         features.add("bool_mask" if mask == torch.bool else "bias")
     for name, on in (("sliding_window", window is not None), ("softcap", softcap is not None), ("sinks", sinks),
-                     ("dropout", dropout_p > 0), ("lse", lse), ("segment_ids", segments), ("varlen", varlen is not None)):
+                     ("dropout", dropout_p > 0), ("lse", lse), ("segment_ids", segments), ("varlen", varlen is not None),
+                     ("alibi", alibi)):
         if on:
             features.add(name)
     return features

@@ -32,8 +32,8 @@ try:
 except ImportError:  # no triton: `launch.can_launch` is False and nothing below is launched
     entries_triton = None
 
-_FWD_TENSORS = ("Q", "K", "V", "Bias", "Mask", "Sinks", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis", "Out", "Lse")
-_BWD_INPUTS = ("Q", "K", "V", "Bias", "Mask", "dOut", "Lse", "Delta", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis")
+_FWD_TENSORS = ("Q", "K", "V", "Bias", "Mask", "Sinks", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis", "Alibi", "Out", "Lse")
+_BWD_INPUTS = ("Q", "K", "V", "Bias", "Mask", "dOut", "Lse", "Delta", "SegQ", "SegK", "CuQ", "CuK", "Seed", "Vis", "Alibi")
 
 
 _ENTRIES = {} if entries_triton is None else {
@@ -50,7 +50,9 @@ class NativeFlashSpec:
     """Everything static about a native flash call besides the tensors' shapes and strides."""
 
     cfg: FlashConfig
-    num_inputs: int = 7  # q, k, v, bias, mask, sinks, seed; 11 with q_ids, kv_ids, cu_q, cu_k (`PACKED_INPUTS`)
+    # q, k, v, bias, mask, sinks, seed; 11 with q_ids, kv_ids, cu_q, cu_k (`PACKED_INPUTS`); 12 with ALiBi
+    # slopes after those (`ALIBI_INPUTS`).
+    num_inputs: int = 7
 
     def __hash__(self) -> int:
         return cached_hash(self, self.cfg, self.num_inputs)
@@ -68,15 +70,23 @@ def _operand(t: torch.Tensor) -> Operand:
 
 #: Inputs of a call with segment ids or varlen offsets: the 7 of every call, then q_ids, kv_ids, cu_q, cu_k.
 PACKED_INPUTS = 11
+#: Inputs of a call with ALiBi slopes: the 11 of a packed call (None where absent), then the slopes.
+ALIBI_INPUTS = 12
 
 
-def _call(q, k, v, bias, mask, sinks, packed=(None, None, None, None)) -> plan.FlashCall:
+def _call(q, k, v, bias, mask, sinks, packed=(None, None, None, None), alibi=None) -> plan.FlashCall:
     q_ids, _, cu_q, _ = packed
     return plan.FlashCall(
         q=_operand(q), k=_operand(k), v=_operand(v), bias=None if bias is None else _operand(bias),
         mask=None if mask is None else _operand(mask), dtype_bytes=q.element_size(), has_sinks=sinks is not None,
         has_segments=q_ids is not None, num_seqs=None if cu_q is None else int(cu_q.shape[0]) - 1,
+        alibi_stride=None if alibi is None else _alibi_stride(alibi),
     )
+
+
+def _alibi_stride(alibi: torch.Tensor) -> int:
+    """Batch stride of (Hq,) or (B, Hq) slopes whose head dim is contiguous; 0 when they broadcast."""
+    return 0 if alibi.dim() == 1 or alibi.shape[0] == 1 else int(alibi.stride(0))
 
 
 def _key(t: Optional[torch.Tensor]):
@@ -109,17 +119,18 @@ def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:
 
 
 def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_strides=None, write_ds: bool = False,
-              packed=(None, None, None, None)) -> dict:
+              packed=(None, None, None, None), alibi=None) -> dict:
     """The forward's launches, or with `do_strides` (dOut's) the backward's; cached per signature.
 
     packed: (q_ids (B, L), kv_ids (B, S), cu_q (N + 1,), cu_k (N + 1,)), None where absent.
+    alibi: None or float32 (Hq,) / (B, Hq) ALiBi slopes.
     """
     entries = _entries(q.shape[2])
     if traced():  # symbolic sizes are not hashable, and a traced call plans once anyway
-        return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds, packed)
+        return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds, packed, alibi)
     key = (spec, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(), _key(bias),
            _key(mask), sinks is not None, seed is not None, do_strides, write_ds, entries["fwd"],
-           *(_key(t) for t in packed))
+           *(_key(t) for t in packed), _key(alibi))
     found = _LAUNCHES.get(key)
     if found is not None:
         return found
@@ -127,7 +138,7 @@ def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_stride
     # length and strides (a decoding step on a grown cache) is that launch with `key_args` replaced.
     sibling_key = None
     if (do_strides is None and entries is _ENTRIES["dynamic"] and bias is None and mask is None
-            and packed == (None, None, None, None)):
+            and packed == (None, None, None, None) and alibi is None):
         sibling_key = (spec, q.shape, q.stride(), q.dtype, q.device, k.shape[:2], k.shape[3:], v.shape[3:],
                        k.shape[2] == 1, sinks is not None, seed is not None)
         sibling = _FOLLOWS_KEYS.get(sibling_key)
@@ -138,7 +149,7 @@ def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_stride
         _LAUNCHES.clear()
         _FOLLOWS_KEYS.clear()
     if found is None:
-        found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds, packed)
+        found = _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds, packed, alibi)
         if sibling_key is not None and plan.forward_follows_keys(_call(q, k, v, bias, mask, sinks), spec.cfg):
             _FOLLOWS_KEYS[sibling_key] = found
     _LAUNCHES[key] = found
@@ -147,18 +158,19 @@ def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_stride
 
 #: Dtypes of the placeholders passed for switched-off pointer arguments (never read by the kernels).
 _PLACEHOLDER_DTYPES = dict(Bias=None, Mask=torch.int8, Sinks=torch.float32, SegQ=torch.int32, SegK=torch.int32,
-                           CuQ=torch.int32, CuK=torch.int32, Seed=torch.int32, Vis=torch.int32, dS=torch.float32)
+                           CuQ=torch.int32, CuK=torch.int32, Seed=torch.int32, Vis=torch.int32, dS=torch.float32,
+                           Alibi=torch.float32)
 
 
 def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, sinks, seed, do_strides,
-                   write_ds: bool, packed) -> dict:
+                   write_ds: bool, packed, alibi=None) -> dict:
     """Plans the forward's launches (`do_strides` None: skip tables, forward) or the backward's (skip
     tables, Delta, dK/dV, dQ): a call without gradients never plans a backward.
 
     Tensors a call does not have (features switched off) are fixed placeholders of each launch; the
     launches take the others in their kernel order (see `_given`).
     """
-    call, cfg = _call(q, k, v, bias, mask, sinks, packed), spec.cfg
+    call, cfg = _call(q, k, v, bias, mask, sinks, packed, alibi), spec.cfg
     out_strides = _out_strides(q, v.shape[3])
     b, hq, l, _ = call.q.dims
     dv = call.v.dims[3]
@@ -166,7 +178,8 @@ def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, si
     skip = _skip_plans(call, cfg, entries)  # the tables are contiguous, written by the skip-table kernel
     q_ids, kv_ids, cu_q, _ = packed
     absent = (set() if q_ids is not None else {"SegQ", "SegK"}) | (set() if cu_q is not None else {"CuQ", "CuK"})
-    absent |= {name for name, t in (("Bias", bias), ("Mask", mask), ("Sinks", sinks), ("Seed", seed)) if t is None}
+    absent |= {name for name, t in (("Bias", bias), ("Mask", mask), ("Sinks", sinks), ("Seed", seed),
+                                                 ("Alibi", alibi)) if t is None}
     absent |= set() if skip else {"Vis"}
     absent |= set() if write_ds else {"dS"}
 
@@ -244,11 +257,11 @@ def _out_buffer(q: torch.Tensor, dv: int) -> torch.Tensor:
 
 
 def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, q_ids=None, kv_ids=None, cu_q=None, cu_k=None,
-             launches: Optional[dict] = None):
+             alibi=None, launches: Optional[dict] = None):
     """(out, lse), then with segment ids the segment tables (residuals the backward reads)."""
     packed = (q_ids, kv_ids, cu_q, cu_k)
     if launches is None:
-        launches = _launches(spec, q, k, v, bias, mask, sinks, seed, packed=packed)
+        launches = _launches(spec, q, k, v, bias, mask, sinks, seed, packed=packed, alibi=alibi)
     out = _out_buffer(q, v.shape[3])
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if cu_q is not None:  # rows after the last packed sequence belong to no program: 0, LSE -inf
@@ -256,7 +269,7 @@ def _forward(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, q_ids=None
         lse.fill_(float("-inf"))
     tables = _segment_tables(launches["segments"], q_ids, kv_ids, q.shape[2], k.shape[2])
     table = _skip_table(launches["skip"], "fwd", bias, mask, q.device)
-    launches["fwd"](*_given(q, k, v, bias, mask, sinks, *tables, cu_q, cu_k, seed, table, out, lse))
+    launches["fwd"](*_given(q, k, v, bias, mask, sinks, *tables, cu_q, cu_k, seed, table, alibi, out, lse))
     return (out, lse, *tables)
 
 
@@ -276,14 +289,15 @@ def _grad_like(grad: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs, launches: Optional[dict] = None):
-    q, k, v, bias, mask, sinks, seed, *packed = inputs
-    packed = tuple(packed) or (None, None, None, None)
+    q, k, v, bias, mask, sinks, seed, *rest = inputs
+    packed = tuple(rest[:4]) or (None, None, None, None)
+    alibi = rest[4] if len(rest) > 4 else None
     out, lse, *tables = outputs
     cu_q, cu_k = packed[2:]
     dout = _grad_like(grads[0], out)
     write_ds = bool(needs[3])
     if launches is None:
-        launches = _launches(spec, q, k, v, bias, mask, sinks, seed, dout.stride(), write_ds, packed)
+        launches = _launches(spec, q, k, v, bias, mask, sinks, seed, dout.stride(), write_ds, packed, alibi)
     dev = q.device
     delta = torch.empty_like(lse)
     launches["delta"](out, dout, delta)
@@ -297,9 +311,9 @@ def _backward(spec: NativeFlashSpec, inputs, outputs, grads, needs, launches: Op
     ds = torch.empty((b, hq, l, k.shape[2]), dtype=torch.float32, device=dev) if write_ds else None
     skip = launches["skip"]
     launches["dkdv"](*_given(q, k, v, bias, mask, dout, lse, delta, *tables, cu_q, cu_k, seed,
-                             _skip_table(skip, "dkdv", bias, mask, dev), dk, dv))
+                             _skip_table(skip, "dkdv", bias, mask, dev), alibi, dk, dv))
     launches["dq"](*_given(q, k, v, bias, mask, dout, lse, delta, *tables, cu_q, cu_k, seed,
-                           _skip_table(skip, "dq", bias, mask, dev), dq, ds))
+                           _skip_table(skip, "dq", bias, mask, dev), alibi, dq, ds))
     grads_in = {0: dq, 1: dk, 2: dv}
     if write_ds:
         grads_in[3] = _reduce_to(ds, bias).to(bias.dtype)
@@ -334,6 +348,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
                   sinks: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
                   segment_ids: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                   cu_seqlens: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                  alibi_slopes: Optional[torch.Tensor] = None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash attention by the native launcher; differentiable in q, k, v, bias and sinks.
 
@@ -350,6 +365,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
             their ids are equal.
         cu_seqlens: None or int32 (cu_q (N + 1,), cu_k (N + 1,)) offsets of N sequences packed
             back to back; rows and keys after the last sequence get 0 (LSE -inf, gradients 0).
+        alibi_slopes: None or float (Hq,) or (B, Hq) ALiBi slopes (B: the sequences with
+            `cu_seqlens`): -slope * |i + S - L - j| joins each logit after scale, soft cap and bias,
+            with positions and lengths of the sequence. No gradient.
 
     Returns:
         out (B, Hq, L, Dv) of q's dtype (a view of (B, L, Hq, Dv) memory), lse (B, Hq, L) float32.
@@ -362,12 +380,17 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
         mask = mask.to(torch.int8) if torch.compiler.is_compiling() else mask.view(torch.int8)
     if (cfg.varlen is not None) != (cu_seqlens is not None):
         raise ValueError(f"cfg.varlen={cfg.varlen!r} and cu_seqlens go together.")
-    if segment_ids is None and cu_seqlens is None:
+    if segment_ids is None and cu_seqlens is None and alibi_slopes is None:
         return FLASH_OP(NativeFlashSpec(cfg), q, k, v, narrow(bias), narrow(mask), sinks, seed)
     q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
     cu_q, cu_k = (c.to(torch.int32) for c in cu_seqlens) if cu_seqlens is not None else (None, None)
-    return FLASH_OP(NativeFlashSpec(cfg, PACKED_INPUTS), q, k, v, narrow(bias), narrow(mask), sinks, seed,
-                    q_ids, kv_ids, cu_q, cu_k)
+    if alibi_slopes is None:
+        return FLASH_OP(NativeFlashSpec(cfg, PACKED_INPUTS), q, k, v, narrow(bias), narrow(mask), sinks, seed,
+                        q_ids, kv_ids, cu_q, cu_k)
+    # The kernels read float32 slopes with a contiguous head dim; the slopes get no gradient.
+    alibi = alibi_slopes.detach().to(torch.float32).contiguous()
+    return FLASH_OP(NativeFlashSpec(cfg, ALIBI_INPUTS), q, k, v, narrow(bias), narrow(mask), sinks, seed,
+                    q_ids, kv_ids, cu_q, cu_k, alibi)
 
 
 class NativeFlash(PlannedCall):

@@ -94,7 +94,8 @@ def ring_attention(
         layout: "zigzag", "striped" or "contiguous"; None: zigzag when causal without a window, else
             contiguous.
         inputs_in_layout: the shards already are in `layout` order (and so is the output).
-        return_lse: also return the (B, Hq, L) float32 log-sum-exp (in the same form).
+        return_lse: also return the (B, Hq, L) float32 log-sum-exp (in the same form; -inf for rows
+            that see no key).
         accumulation: "float32" keeps partial outputs and gradient accumulators in float32;
             "input" keeps them (and the dK / dV that travel round the ring) in q's dtype: about
             half the accumulator memory and gradient traffic for 16-bit inputs, one rounding per

@@ -99,10 +99,10 @@ def _query_range(n0, L, S, window_left, window_right, diag_offset,
 def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
                  stride_bm, stride_bn, stride_mm, stride_mn,
                  L, S, scale, softcap, window_left, window_right, diag_offset,
-                 qseg, kseg, seed, row0, q_off, k_off, S_mem, dropout_p,
+                 qseg, kseg, seed, row0, q_off, k_off, S_mem, dropout_p, slope,
                  CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                  SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
-                 FAST_TANH: tl.constexpr):
+                 FAST_TANH: tl.constexpr, ALIBI: tl.constexpr):
     """Recomputed probabilities and logit gradients of one (query block, key block) tile.
 
     Args:
@@ -115,6 +115,8 @@ def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
         qseg, kseg: (BLOCK_M,) / (BLOCK_N,) segment ids, used iff HAS_SEGMENTS.
         seed, row0, q_off, k_off, S_mem, dropout_p: dropout stream (see `dropout_keep`), used iff
             DROPOUT; q_off / k_off map positions to memory rows / keys.
+        slope: this query head's ALiBi slope, used iff ALIBI (-slope * |i + S - L - j| joins the
+            logit after softcap and bias, as in the forward).
 
     Returns:
         (p, ds_post, ds_pre), each (BLOCK_M, BLOCK_N) float32: P (times the kept-and-rescaled
@@ -131,6 +133,8 @@ def _block_grads(q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
         bias = tl.load(Bias_bh + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
                        mask=in_bounds, other=0.0)
         s = s + bias.to(tl.float32)
+    if ALIBI:
+        s = s - slope * tl.abs(offs_m[:, None] + (S - L) - offs_n[None, :]).to(tl.float32)
     vis = in_bounds
     pos = offs_m[:, None] + diag_offset
     if CAUSAL:
@@ -167,9 +171,9 @@ def _dkdv_block(acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv
                 Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
                 seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
-                seed, dropout_p, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                seed, dropout_p, slope, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                 SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
-                FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr):
+                FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, ALIBI: tl.constexpr):
     """Adds the query block starting at start_m to the (acc_dk, acc_dv) of one key block."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < seq_l
@@ -187,8 +191,8 @@ def _dkdv_block(acc_dk, acc_dv, k, v, start_m, offs_n, offs_d, offs_dv, d_ok, dv
         q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
         stride_bm, stride_bn, stride_mm, stride_mn,
         seq_l, seq_s, scale, softcap, window_left, window_right, diag,
-        qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
-        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
+        qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p, slope,
+        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, ALIBI)
     acc_dv = _dot(tl.trans(p.to(do.dtype)), do, acc_dv)
     acc_dk = _dot(tl.trans(ds_pre.to(q.dtype)), q, acc_dk)
     return acc_dk, acc_dv
@@ -200,9 +204,9 @@ def _dq_block(acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok,
               stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
               stride_dsm, stride_dsn,
               seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
-              seed, dropout_p, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+              seed, dropout_p, slope, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
               SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
-              FAST_TANH: tl.constexpr, WRITE_DS: tl.constexpr, BLOCK_N: tl.constexpr):
+              FAST_TANH: tl.constexpr, WRITE_DS: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr):
     """Adds the key block starting at start_n to acc_dq of one query block; writes its dS tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < seq_s
@@ -218,8 +222,8 @@ def _dq_block(acc_dq, q, do, lse, delta, start_n, offs_m, offs_d, offs_dv, m_ok,
         q, k, v, do, lse, delta, offs_m, offs_n, Bias_bh, Mask_bh,
         stride_bm, stride_bn, stride_mm, stride_mn,
         seq_l, seq_s, scale, softcap, window_left, window_right, diag,
-        qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p,
-        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH)
+        qseg, kseg, seed, row0 - q_off, q_off, k_off, S, dropout_p, slope,
+        CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, ALIBI)
     acc_dq = _dot(ds_pre.to(k.dtype), k, acc_dq)
     if WRITE_DS:
         tl.store(dS_bh + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn, ds_post,
@@ -278,6 +282,7 @@ def flash_bwd_dkdv_kernel(
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
     Skip=None, stride_tb=0, stride_th=0, stride_tr=0, BLOCK_SKIP: tl.constexpr = False,
+    Alibi=None, stride_ab=0, ALIBI: tl.constexpr = False,
 ):
     """dK and dV of one key block of one (batch, KV head). Grid (cdiv(S, BLOCK_N), B * Hk).
 
@@ -309,6 +314,9 @@ def flash_bwd_dkdv_kernel(
             read iff BLOCK_SKIP: per key block, prefix counts of the query blocks that see some
             element of it through the bool mask / -inf bias, then those query blocks in
             ascending order (`flash_jax_triton.skip_table`); the others are skipped.
+        Alibi, stride_ab: float32 ALiBi slopes, read iff ALIBI: element (b, h) at b * stride_ab + h
+            (stride_ab = 0 for one slope per head; b is the sequence with VARLEN). The slopes get
+            no gradient.
         BLOCK_M, BLOCK_N: tile sizes. BLOCK_D, BLOCK_DV: next_power_of_2(D), next_power_of_2(Dv).
     """
     pid_n = tl.program_id(0)
@@ -379,6 +387,9 @@ def flash_bwd_dkdv_kernel(
         row0 = (b * Hq + h) * L
         if VARLEN:
             row0 = h * L + q_off
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(Alibi + b * stride_ab + h).to(tl.float32)
         # Query blocks [lo, hi), or with BLOCK_SKIP only the live ones: this key block's row of the
         # skip table holds n_q + 1 prefix counts, then the live query blocks in ascending order.
         row = Skip
@@ -398,8 +409,8 @@ def flash_bwd_dkdv_kernel(
                 Q_bh, dO_bh, Lse, Delta, segq_b, Bias_bh, Mask_bh, row0,
                 stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn, stride_mm, stride_mn,
                 seq_l, seq_s, q_off, k_off, S, scale, softcap, window_left, window_right, diag,
-                seed, dropout_p, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
-                FAST_TANH, BLOCK_M)
+                seed, dropout_p, slope, CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT,
+                FAST_TANH, BLOCK_M, ALIBI)
 
     acc_dk = acc_dk * scale
     tl.store(dK + b_mem * stride_dkb + hk64 * stride_dkh + rows_n * stride_dkn
@@ -431,6 +442,7 @@ def flash_bwd_dq_kernel(
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
     Skip=None, stride_tb=0, stride_th=0, stride_tr=0, BLOCK_SKIP: tl.constexpr = False,
+    Alibi=None, stride_ab=0, ALIBI: tl.constexpr = False,
 ):
     """dQ (and optionally dS) of one query block of one (batch, query head).
 
@@ -463,6 +475,9 @@ def flash_bwd_dq_kernel(
             read iff BLOCK_SKIP: per query block, prefix counts of the key blocks with some
             element visible through the bool mask / -inf bias, then those key blocks in
             ascending order (`flash_jax_triton.skip_table`); the others are skipped.
+        Alibi, stride_ab: float32 ALiBi slopes, read iff ALIBI: element (b, h) at b * stride_ab + h
+            (stride_ab = 0 for one slope per head; b is the sequence with VARLEN). The slopes get
+            no gradient.
         BLOCK_M, BLOCK_N: tile sizes. BLOCK_D, BLOCK_DV: next_power_of_2(D), next_power_of_2(Dv).
     """
     pid_m = tl.program_id(0)
@@ -529,6 +544,9 @@ def flash_bwd_dq_kernel(
     seed = 0
     if DROPOUT:
         seed = load_seed(Seed)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + h).to(tl.float32)
 
     # Key blocks [lo, hi), or with BLOCK_SKIP only the live ones (see the dK/dV kernel).
     row = Skip
@@ -551,8 +569,8 @@ def flash_bwd_dq_kernel(
             K_bh, V_bh, dS_bh, segk_b, Bias_bh, Mask_bh, row0,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             stride_dsm, stride_dsn, seq_l, seq_s, q_off, k_off, S, scale, softcap,
-            window_left, window_right, diag, seed, dropout_p,
-            CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N)
+            window_left, window_right, diag, seed, dropout_p, slope,
+            CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, HAS_SEGMENTS, DROPOUT, FAST_TANH, WRITE_DS, BLOCK_N, ALIBI)
     if BLOCK_SKIP and WRITE_DS:  # dead tiles of [lo, hi) get zero dS
         for kb in range(lo_blk, hi_blk):
             if tl.load(row + kb + 1) == tl.load(row + kb):

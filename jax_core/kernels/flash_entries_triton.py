@@ -12,6 +12,10 @@ flavours differ only in which scalars are compile-time constants:
   switches and tile sizes stay constexpr in both flavours, so both compute the same float values
   in the same order.
 
+`Alibi` (float32 ALiBi slopes) and its batch stride `sab` (0 for one slope per head) are read only
+with the ALIBI switch; other calls pass a placeholder that is never read (the switch removes the
+ALiBi code at compile time).
+
 Argument names are those of `flash_plan` (`Launch.args`), so a launcher passes the plan's dict as
 keywords. Imports only `triton`.
 """
@@ -26,7 +30,7 @@ from .flash_fwd_triton import flash_fwd_kernel
 
 @triton.jit
 def fwd_entry_static(
-    Q, K, V, Bias, Mask, Sinks, SegQ, SegK, CuQ, CuK, Seed, Vis, Out, Lse,
+    Q, K, V, Bias, Mask, Sinks, SegQ, SegK, CuQ, CuK, Seed, Vis, Alibi, Out, Lse,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -42,6 +46,7 @@ def fwd_entry_static(
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
     stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+    sab: tl.constexpr, ALIBI: tl.constexpr,
 ):
     flash_fwd_kernel(
         Q, K, V, Bias, Mask, Sinks, Out, Lse,
@@ -50,14 +55,14 @@ def fwd_entry_static(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, HAS_SINKS, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP, Alibi, sab, ALIBI,
     )
 
 
 
 @triton.jit
 def fwd_entry_dynamic(
-    Q, K, V, Bias, Mask, Sinks, SegQ, SegK, CuQ, CuK, Seed, Vis, Out, Lse,
+    Q, K, V, Bias, Mask, Sinks, SegQ, SegK, CuQ, CuK, Seed, Vis, Alibi, Out, Lse,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
@@ -73,6 +78,7 @@ def fwd_entry_dynamic(
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
     stb, sth, str_, BLOCK_SKIP: tl.constexpr,
+    sab, ALIBI: tl.constexpr,
 ):
     flash_fwd_kernel(
         Q, K, V, Bias, Mask, Sinks, Out, Lse,
@@ -81,14 +87,14 @@ def fwd_entry_dynamic(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, HAS_SINKS, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP, Alibi, sab, ALIBI,
     )
 
 
 
 @triton.jit
 def dkdv_entry_static(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, dK, dV,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, Alibi, dK, dV,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -105,6 +111,7 @@ def dkdv_entry_static(
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
     stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+    sab: tl.constexpr, ALIBI: tl.constexpr,
 ):
     flash_bwd_dkdv_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
@@ -114,14 +121,14 @@ def dkdv_entry_static(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP, Alibi, sab, ALIBI,
     )
 
 
 
 @triton.jit
 def dkdv_entry_dynamic(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, dK, dV,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, Alibi, dK, dV,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
@@ -138,6 +145,7 @@ def dkdv_entry_dynamic(
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
     stb, sth, str_, BLOCK_SKIP: tl.constexpr,
+    sab, ALIBI: tl.constexpr,
 ):
     flash_bwd_dkdv_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dK, dV,
@@ -147,14 +155,14 @@ def dkdv_entry_dynamic(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP, Alibi, sab, ALIBI,
     )
 
 
 
 @triton.jit
 def dq_entry_static(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, dQ, dS,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, Alibi, dQ, dS,
     sqb: tl.constexpr, sqh: tl.constexpr, sqm: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, skh: tl.constexpr, skn: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svh: tl.constexpr, svn: tl.constexpr, svd: tl.constexpr,
@@ -172,6 +180,7 @@ def dq_entry_static(
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
     stb: tl.constexpr, sth: tl.constexpr, str_: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+    sab: tl.constexpr, ALIBI: tl.constexpr,
 ):
     flash_bwd_dq_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
@@ -181,14 +190,14 @@ def dq_entry_static(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP, Alibi, sab, ALIBI,
     )
 
 
 
 @triton.jit
 def dq_entry_dynamic(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, dQ, dS,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, SegQ, SegK, CuQ, CuK, Seed, Vis, Alibi, dQ, dS,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
@@ -206,6 +215,7 @@ def dq_entry_dynamic(
     dropout_p: tl.constexpr, HAS_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr,
     VARLEN_BOTTOM_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
     stb, sth, str_, BLOCK_SKIP: tl.constexpr,
+    sab, ALIBI: tl.constexpr,
 ):
     flash_bwd_dq_kernel(
         Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dS,
@@ -215,7 +225,7 @@ def dq_entry_dynamic(
         Hq, Hk, L, S, D, Dv, scale, softcap, window_left, window_right, diag_offset,
         CAUSAL, HAS_BIAS, HAS_MASK, SOFTCAP, WRITE_DS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
         SegQ, SegK, CuQ, CuK, Seed, dropout_p, HAS_SEGMENTS, VARLEN, VARLEN_BOTTOM_RIGHT, DROPOUT, FAST_TANH,
-        Vis, stb, sth, str_, BLOCK_SKIP,
+        Vis, stb, sth, str_, BLOCK_SKIP, Alibi, sab, ALIBI,
     )
 
 

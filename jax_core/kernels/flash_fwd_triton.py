@@ -17,6 +17,7 @@ Tensors (each passed as a pointer plus 4 element strides):
     Bias (B, Hq, L, S) float, optional; broadcast dims have stride 0.
     Mask (B, Hq, L, S) int8 (1 = attend), optional; broadcast dims have stride 0.
     Sinks (Hq,) float32, optional: one extra logit per query head that only joins the denominator.
+    Alibi float32 slopes, optional (ALIBI): (Hq,) or (B, Hq) through a batch stride (0 for (Hq,)).
     Out (B, Hq, L, Dv) in Q's dtype; Lse (B, Hq, L) float32 contiguous, natural-log LSE.
 
 Algorithm: one program per (query block of BLOCK_M rows, batch * query head). It streams the key
@@ -47,10 +48,10 @@ def _fwd_block(
     stride_kn, stride_vn, stride_bn, stride_mn,
     offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi, S,
     scale, softcap,
-    seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+    seed, drop_row0, drop_rows, k_off, S_mem, dropout_p, alibi_pos, slope2,
     MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Accumulates the key block starting at start_n into (acc, l_i, m_i); see `_fwd_stage`."""
     cols = start_n + offs_n
@@ -78,6 +79,8 @@ def _fwd_block(
         s2 = (qk * scale + bias.to(tl.float32)) * 1.4426950408889634
     else:
         s2 = qk * (scale * 1.4426950408889634)
+    if ALIBI:  # slope2 = log2(e) * slope; alibi_pos = i + S - L (flash-attn's bottom-right distance)
+        s2 -= slope2 * tl.abs(alibi_pos[:, None] - cols[None, :]).to(tl.float32)
     if MASKED:
         visible = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None])
         if HAS_MASK:
@@ -127,11 +130,11 @@ def _fwd_stage(
     offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
     start, end, S,
     scale, softcap,
-    seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+    seed, drop_row0, drop_rows, k_off, S_mem, dropout_p, alibi_pos, slope2,
     MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SKIP: tl.constexpr,
+    BLOCK_SKIP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Accumulates key blocks [start, end) (start a multiple of BLOCK_N) into (acc, l_i, m_i).
 
@@ -161,7 +164,8 @@ def _fwd_stage(
             acc, l_i, m_i, q, qseg, start_n, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr,
             stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid,
             row_lo, row_hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
-            MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N)
+            alibi_pos, slope2, MASKED, HAS_BIAS, HAS_MASK, HAS_SEGMENTS, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N,
+            ALIBI)
     return acc, l_i, m_i
 
 
@@ -170,8 +174,10 @@ def _fwd_stages(
     acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
     stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
     lo, mid_lo, mid_hi, hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
+    alibi_pos, slope2,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SEG_CHECK: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     """Key blocks [lo, mid_lo) masked | [mid_lo, mid_hi) fully visible | [mid_hi, hi) masked.
 
@@ -181,17 +187,20 @@ def _fwd_stages(
         acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
         stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         lo, tl.minimum(mid_lo, hi), S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
-        True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
+        alibi_pos, slope2, True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP,
+        ALIBI)
     acc, l_i, m_i = _fwd_stage(
         acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
         stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         tl.maximum(mid_lo, lo), tl.minimum(mid_hi, hi), S, scale, softcap, seed, drop_row0, drop_rows, k_off,
-        S_mem, dropout_p, False, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
+        S_mem, dropout_p, alibi_pos, slope2, False, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH,
+        BLOCK_N, BLOCK_SKIP, ALIBI)
     acc, l_i, m_i = _fwd_stage(
         acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
         stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
         tl.maximum(mid_hi, lo), hi, S, scale, softcap, seed, drop_row0, drop_rows, k_off, S_mem, dropout_p,
-        True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
+        alibi_pos, slope2, True, HAS_BIAS, HAS_MASK, SEG_CHECK, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP,
+        ALIBI)
     return acc, l_i, m_i
 
 
@@ -214,6 +223,7 @@ def flash_fwd_kernel(
     VARLEN_BOTTOM_RIGHT: tl.constexpr = False, DROPOUT: tl.constexpr = False,
     FAST_TANH: tl.constexpr = False,
     Skip=None, stride_tb=0, stride_th=0, stride_tr=0, BLOCK_SKIP: tl.constexpr = False,
+    Alibi=None, stride_ab=0, ALIBI: tl.constexpr = False,
 ):
     """Flash-attention forward; grid (cdiv(L, BLOCK_M), B * Hq). See FLASH_CONTRACT.md.
 
@@ -224,6 +234,10 @@ def flash_fwd_kernel(
 
     With VARLEN the grid is (cdiv(max_seqlen_q, BLOCK_M), N * Hq) for N packed sequences and the
     memory batch is 1; L and S are then the packed lengths.
+
+    With ALIBI, Alibi holds float32 slopes, element (b, h) at b * stride_ab + h (stride_ab = 0 for
+    one slope per head; b is the sequence with VARLEN): -slope * |i + S - L - j| joins every logit,
+    with positions and lengths of the sequence.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -341,6 +355,12 @@ def flash_fwd_kernel(
     if BLOCK_SKIP:
         vis_ptr = Skip + b64 * stride_tb + h64 * stride_th + pid_m * stride_tr
 
+    alibi_pos = offs_m
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Alibi + b.to(tl.int64) * stride_ab + h).to(tl.float32) * 1.4426950408889634
+        alibi_pos = offs_m + (seq_s - seq_l)
+
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_SINKS:
         sink2 = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
@@ -356,19 +376,22 @@ def flash_fwd_kernel(
                 acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
                 stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
                 lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
-                dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
+                dropout_p, alibi_pos, slope2, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N,
+                BLOCK_SKIP, ALIBI)
         else:
             acc, l_i, m_i = _fwd_stages(
                 acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
                 stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
                 lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
-                dropout_p, HAS_BIAS, HAS_MASK, True, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
+                dropout_p, alibi_pos, slope2, HAS_BIAS, HAS_MASK, True, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N,
+                BLOCK_SKIP, ALIBI)
     else:
         acc, l_i, m_i = _fwd_stages(
             acc, l_i, m_i, q, qseg, k_ptrs, v_ptrs, bias_ptrs, mask_ptrs, kseg_ptr, vis_ptr, n_blocks,
             stride_kn, stride_vn, stride_bn, stride_mn, offs_n, d_mask, dv_mask, row_valid, row_lo, row_hi,
             lo, mid_lo, mid_hi, hi, seq_s, scale, softcap, seed, row0 - q_off, q_off + offs_m, k_off, S,
-            dropout_p, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_SKIP)
+            dropout_p, alibi_pos, slope2, HAS_BIAS, HAS_MASK, False, DROPOUT, SOFTCAP, FAST_TANH, BLOCK_N,
+            BLOCK_SKIP, ALIBI)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -37,11 +37,15 @@ class FlashExtras(NamedTuple):
         cu_seqlens: (cu_q (N + 1,), cu_k (N + 1,)) int32 offsets of N sequences packed in a batch of
             1 (varlen); causal / window rules apply per sequence.
         seed: (2,) int32 dropout seed (Philox key, low word first).
+        alibi_slopes: float32 (Hq,) or (B, Hq) ALiBi slopes (B = sequences with varlen): the
+            logit of query i and key j gets -slope * |i + S - L - j| after scale, soft cap and
+            bias (positions and lengths of the sequence with varlen). No gradient.
     """
 
     segment_ids: Optional[tuple[jax.Array, jax.Array]] = None
     cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None
     seed: Optional[jax.Array] = None
+    alibi_slopes: Optional[jax.Array] = None
 
 
 def bwd_tiles(d: int, dtype) -> tuple[plan.Tile, plan.Tile]:
@@ -69,7 +73,22 @@ def _call(q, k, v, bias, mask, sinks, extras: "FlashExtras", cfg: FlashConfig) -
         bias=_bhls(bias), mask=_bhls(mask), dtype_bytes=jnp.dtype(q.dtype).itemsize,
         has_sinks=sinks is not None, has_segments=extras.segment_ids is not None,
         num_seqs=None if extras.cu_seqlens is None else extras.cu_seqlens[0].shape[0] - 1,
+        alibi_stride=_alibi_stride(extras.alibi_slopes),
     )
+
+
+def _alibi_stride(slopes: Optional[jax.Array]) -> Optional[int]:
+    """The slopes' batch stride (0 for one slope per head), None without ALiBi."""
+    if slopes is None:
+        return None
+    return 0 if slopes.ndim == 1 or slopes.shape[0] == 1 else slopes.shape[-1]
+
+
+def _alibi_input(extras: FlashExtras) -> jax.Array:
+    """The kernels' float32 slopes (no gradient), or a placeholder."""
+    if extras.alibi_slopes is None:
+        return _placeholder()
+    return jax.lax.stop_gradient(extras.alibi_slopes).astype(jnp.float32)
 
 
 def dropout_keep_mask(seed: jax.Array, bh: int, l: int, s: int, dropout_p: float) -> jax.Array:
@@ -221,7 +240,7 @@ def _forward(q, k, v, bias, mask, sinks, extras: FlashExtras, seg_tables, skip, 
         fwd_entry_static,
         (q, k, v, bias if bias is not None else _placeholder(q.dtype),
          mask if mask is not None else _placeholder(jnp.int8), sinks if sinks is not None else _placeholder(),
-         *_extra_inputs(extras, seg_tables), vis),
+         *_extra_inputs(extras, seg_tables), vis, _alibi_input(extras)),
         (jax.ShapeDtypeStruct(out_shape, out_dtype or q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
         launch,
     )
@@ -254,14 +273,14 @@ def _backward(q, k, v, bias, mask, dout, lse, delta, extras: FlashExtras, seg_ta
     extra_inputs = _extra_inputs(extras, seg_tables)
     kv_vis, kv_vis_strides = _skip_table_input(skip, kv_m, kv_n, l, s, "q")
     dk, dv = _launch(
-        dkdv_entry_static, (q, k, v, *placeholders, dout, lse, delta, *extra_inputs, kv_vis),
+        dkdv_entry_static, (q, k, v, *placeholders, dout, lse, delta, *extra_inputs, kv_vis, _alibi_input(extras)),
         (jax.ShapeDtypeStruct(k.shape, grad_dtype or k.dtype), jax.ShapeDtypeStruct(v.shape, grad_dtype or v.dtype)),
         plan.dkdv_launch(call, cfg, do_strides, call.k.strides, call.v.strides, kv_vis_strides),
     )
     ds_shape = (b, hq, l, s) if write_ds else (1,)
     q_vis, q_vis_strides = _skip_table_input(skip, q_m, q_n, l, s, "k")
     dq, ds = _launch(
-        dq_entry_static, (q, k, v, *placeholders, dout, lse, delta, *extra_inputs, q_vis),
+        dq_entry_static, (q, k, v, *placeholders, dout, lse, delta, *extra_inputs, q_vis, _alibi_input(extras)),
         (jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype), jax.ShapeDtypeStruct(ds_shape, jnp.float32)),
         plan.dq_launch(call, cfg, do_strides, call.q.strides,
                        plan.contiguous_strides(ds_shape) if write_ds else None, q_vis_strides),
@@ -301,7 +320,7 @@ def flash_attention_triton(q, k, v, bias, mask, sinks, extras: FlashExtras, cfg:
         bias: None or float (B|1, Hq|1, L|1, S), added to the logits.
         mask: None or int8 (B|1, Hq|1, L|1, S), 1 = attend.
         sinks: None or float32 (Hq,) sink logits.
-        extras: segment ids, varlen offsets and the dropout seed (`FlashExtras`).
+        extras: segment ids, varlen offsets, the dropout seed and ALiBi slopes (`FlashExtras`).
         cfg: static settings.
 
     Returns:

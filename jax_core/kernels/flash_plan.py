@@ -130,6 +130,8 @@ class FlashCall(NamedTuple):
         dtype_bytes: bytes per element of q/k/v (tile choice).
         has_sinks, has_segments: sink logits / segment tables are passed.
         num_seqs: packed sequences with varlen (len(cu_seqlens) - 1), else None.
+        alibi_stride: None without ALiBi, else the batch stride of the float32 slopes: 0 for
+            (Hq,) slopes, Hq for (B, Hq) ones (B = sequences with varlen).
     """
 
     q: Operand
@@ -141,6 +143,7 @@ class FlashCall(NamedTuple):
     has_sinks: bool = False
     has_segments: bool = False
     num_seqs: Optional[int] = None
+    alibi_stride: Optional[int] = None
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -230,6 +233,7 @@ def common_args(call: FlashCall, cfg: FlashConfig) -> dict:
         BLOCK_DV=head_block(dv), dropout_p=float(cfg.dropout_p), HAS_SEGMENTS=bool(call.has_segments),
         VARLEN=cfg.varlen is not None, VARLEN_BOTTOM_RIGHT=bool(cfg.varlen_bottom_right), DROPOUT=dropout,
         FAST_TANH=bool(cfg.fast_tanh) and call.dtype_bytes < 4,
+        sab=int(call.alibi_stride or 0), ALIBI=call.alibi_stride is not None,
     )
 
 
