@@ -38,6 +38,7 @@ from .forward_ad import refuse_forward_ad
 from .functorch import functorch_call
 from .higher_order import differentiable_grads
 from .registry import Op
+from .symbolic import has_symbolic_dims, symbolic_sizes_traced
 from .traces import backward_call, forward_trace, signature
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -86,9 +87,15 @@ def prepare_arguments(op: Op, args: Sequence[Optional[torch.Tensor]], static: di
     Returns:
         (tensors for the custom op, per tensor the narrowed dims or None, the values of the call's
         `CallSpec`: number of arguments, positions of the tensors, per tensor the broadcast shape
-        it was narrowed from or None, sorted static arguments, whether the forward computes a vjp).
+        it was narrowed from or None, sorted static arguments, whether the forward computes a vjp:
+        never with symbolic sizes, where the backward recomputes it).
     """
     tensors, present, fulls, narrow = [], [], [], []
+    # Symbolic sizes (torch.compile(dynamic=True)): broadcast dims stay as they are (narrowing them
+    # would guard every stride), and the forward computes no vjp residuals, whose sizes the fake
+    # could not express; the backward recomputes them (`custom_ops._backward`).
+    symbolic = has_symbolic_dims([a for a in args if isinstance(a, torch.Tensor)]) or (
+        torch.compiler.is_compiling() and symbolic_sizes_traced())
     for pos, arg in enumerate(args):
         if arg is None:
             continue
@@ -98,7 +105,7 @@ def prepare_arguments(op: Op, args: Sequence[Optional[torch.Tensor]], static: di
                 "must be tensors or None (pass Python constants as keyword arguments)."
             )
         # An expanded leaf that requires grad needs per-element gradients: it is copied instead.
-        narrowed, full = (arg, None) if arg.is_leaf and arg.requires_grad else narrow_broadcast(arg)
+        narrowed, full = (arg, None) if symbolic or arg.is_leaf and arg.requires_grad else narrow_broadcast(arg)
         tensors.append(narrowed)
         present.append(pos)
         fulls.append(full)
@@ -112,8 +119,26 @@ def prepare_arguments(op: Op, args: Sequence[Optional[torch.Tensor]], static: di
                 f"{op.name}: argument {pos} is on {t.device} but argument {present[0]} is on {device}; "
                 "move all tensors to one device."
             )
-    with_vjp = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return tensors, narrow, (len(args), tuple(present), tuple(fulls), tuple(sorted(static.items())), with_vjp)
+    with_vjp = not symbolic and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    # Sorted by name (torch.compile sorts strings, not (name, value) pairs).
+    if torch.compiler.is_compiling():
+        ordered = tuple((name, _specialized(static[name])) for name in sorted(static))
+    else:
+        ordered = tuple((name, static[name]) for name in sorted(static))
+    return tensors, narrow, (len(args), tuple(present), tuple(fulls), ordered, with_vjp)
+
+
+def _specialized(value):
+    """A static argument as a Python constant while torch.compile traces. With dynamic=True it makes
+    ints and floats symbolic, a function's default values included; a static argument is part of
+    the executable's key, so it is guarded on its value instead (a new value compiles again)."""
+    if type(value) is tuple:
+        return tuple(_specialized(v) for v in value)
+    if isinstance(value, (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+        return guard_scalar(value)
+    return value
 
 
 @assume_constant_result

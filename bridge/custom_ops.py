@@ -20,6 +20,7 @@ from .dlpack import cuda_handshake, export_arrays, import_tensors
 from .dtypes import to_torch_dtype
 from .higher_order import differentiable_grads
 from .registry import registered
+from .symbolic import has_symbolic_dims, symbolic_outputs
 from .traces import backward_call, forward_trace, jax_device_of, signature
 
 
@@ -41,8 +42,14 @@ def _jax_call(inputs: list[torch.Tensor], op: str, spec: str) -> list[torch.Tens
 
 @_jax_call.register_fake
 def _jax_call_fake(inputs, op, spec):
-    trace = forward_trace(registered(op), lookup(spec), signature(inputs), None)
     device = inputs[0].device
+    call_spec = lookup(spec)
+    # Sizes in the inputs' symbols: one graph for every length. A spec that re-broadcasts narrowed
+    # inputs holds concrete sizes itself (recorded where sizes were static): those sizes are fixed.
+    if has_symbolic_dims(inputs) and all(full is None for full in call_spec.fulls):
+        return [torch.empty(shape, dtype=dtype, device=device)
+                for shape, dtype in symbolic_outputs(registered(op), call_spec, inputs)]
+    trace = forward_trace(registered(op), call_spec, signature(inputs), None)
     return [torch.empty(o.shape, dtype=to_torch_dtype(o.dtype), device=device) for o in trace.out_info]
 
 
@@ -82,7 +89,10 @@ def _backward(ctx, grads):
         return [None] * ctx.n_in, None, None
     present = [j for j in range(ctx.n_out) if grads[j] is not None]
     saved = list(ctx.saved_tensors)
-    if torch.is_grad_enabled():  # create_graph=True: gradients torch can differentiate again
+    # create_graph=True needs gradients torch can differentiate again; a forward without residuals
+    # (symbolic sizes, see `call_plan.prepare_arguments`) needs the vjp recomputed from the inputs:
+    # both run the vjp as a jax_op of its own.
+    if torch.is_grad_enabled() or not lookup(ctx.spec).with_vjp:
         out_sig = [(tuple(o.shape), o.dtype) for o in saved[ctx.n_in: ctx.n_in + ctx.n_out]]
         computed = differentiable_grads(registered(ctx.op), lookup(ctx.spec), saved[: ctx.n_in], grads[: ctx.n_out],
                                         tuple(needed), out_sig)

@@ -8,6 +8,10 @@ eager path; its backward is `higher_order.differentiable_grads`, itself a `jax_o
 composes with further transforms (`hessian`, `vmap(grad(...))`). Its vmap rule calls a derived
 `jax_op`, `<name>.vmap[<axes>]`, whose function is `jax.vmap` of the op's function over the batched
 arguments' leading dim.
+
+`underlying` and `is_batched` let callers that must read values (input checks) do so under a
+transform: vmap refuses data-dependent control flow on a batched tensor, but the plain tensor
+beneath the wrappers holds every sample's values and can be read.
 """
 
 from __future__ import annotations
@@ -20,6 +24,26 @@ import torch
 from .call_spec import intern
 from .higher_order import differentiable_grads
 from .registry import OPS, Op
+
+
+def underlying(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor beneath every functorch wrapper of `t` (vmap's batched tensors, grad's
+    wrappers): the values of all of `t`'s samples, with the vmapped dims among its own (in no
+    promised order). `t` itself when it is not wrapped."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def is_batched(t: torch.Tensor) -> bool:
+    """Whether `t` has a vmapped dim at any level (a value read of it would be refused)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def functorch_call(op: Op, args: Sequence[Optional[torch.Tensor]], static: dict):

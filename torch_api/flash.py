@@ -39,6 +39,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from ..bridge import jax_op
+from ..bridge.functorch import is_batched
 from ..jax_core import calls
 from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
@@ -97,6 +98,11 @@ def _check_cu_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max
     """Value checks of CPU cu_seqlens (on CUDA they would cost a host sync): 0 first, non-decreasing,
     last entry within the packed length, longest sequence within the given max_seqlen, rounded. Skipped
     while torch.compile traces (the values are data-dependent there)."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if torch._C._are_functorch_transforms_active() and is_batched(cu):
+            raise AttentionInputError(
+                f"{name}: vmapped under torch.func.vmap (one set of cumulative lengths per sample), which is not "
+                "supported; pass it unbatched (in_dims=None), or pack the samples' sequences into one varlen call.")
     if cu_seqlens_q.device.type != "cpu" or torch.compiler.is_compiling():
         return
     bounds = (None, None) if max_seqlen is None else max_seqlen

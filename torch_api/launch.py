@@ -45,6 +45,11 @@ XLA_CUDNN_MIN_WORK = 2 * 16 * 8192 * 8192
 NATIVE_DECODE_MAX_KEYS = 16384
 
 
+#: Why no native launch runs under torch.func transforms (the XLA path's ops carry functorch's rules).
+FUNCTORCH_REASON = ("a torch.func transform (grad, vjp, jacrev, vmap) is active, and the Triton kernels implement "
+                    "none of its rules (sdpa_launcher('xla') or 'auto' runs such calls)")
+
+
 class _ThreadLaunchers(threading.local):
     def __init__(self) -> None:
         self.stack: list[str] = ["auto"]
@@ -89,7 +94,7 @@ def describe(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, features
 
 def native_reasons(inputs: AttentionInputs, device: torch.device) -> list[str]:
     """Why the native launcher cannot run `inputs` on `device` (empty when it can)."""
-    reasons = []
+    reasons = [FUNCTORCH_REASON] if torch._C._are_functorch_transforms_active() else []
     if not can_launch(device):
         where = "a CUDA device with Triton installed" if device.type != "cpu" else "TRITON_INTERPRET=1 on CPU"
         reasons.append(f"the native launcher needs {where} (device {device})")
@@ -180,7 +185,8 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
     # A decoding call's settings do not depend on its key length (a new one each step of a
     # growing cache): memoized without it.
     memo = None
-    if l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments and varlen is None and not alibi:
+    if (l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments and varlen is None and not alibi
+            and not torch._C._are_functorch_transforms_active()):
         memo = (tuple(q_shape), tuple(k_shape[:2]), k_shape[3], value_head_dim, dtype, device, choice,
                 current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, causal, window, softcap, sinks, mask,
                 dropout_p, lse, scale)

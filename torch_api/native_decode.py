@@ -26,7 +26,7 @@ from ..bridge.triton_autograd import TritonOp, cached_hash
 from ..bridge.triton_launch import KernelLaunch, can_launch, optional, traced
 from ..jax_core.kernels.decode_plan import (DEFAULT_SMS, DecodeCall, DecodeConfig, cache_dims, cache_order,
                                             plan_decode, query_order)
-from .launch import current_launcher
+from .launch import FUNCTORCH_REASON, current_launcher
 
 try:
     from ..jax_core.kernels.decode_entries_triton import stream_entry, stream_merge_entry
@@ -62,7 +62,7 @@ def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
 
 def native_reasons(device: torch.device, dtype: torch.dtype, d: int, dv: int, kernel: Optional[str]) -> list[str]:
     """Why the native launcher cannot run a decode call (empty when it can)."""
-    reasons = []
+    reasons = [FUNCTORCH_REASON] if torch._C._are_functorch_transforms_active() else []
     if kernel not in (None, "triton"):
         reasons.append(f"kernel={kernel!r} runs through JAX (the native launcher runs kernel=None or 'triton')")
     if not can_launch(device):

@@ -96,7 +96,9 @@ def scaled_dot_product_attention(
     # A signature seen before was checked and planned then (a plan exists only for plain, non-empty
     # calls outside autocast): the memo comes first, the rare cases below only on a miss.
     sig = None
-    if not torch.compiler.is_compiling():
+    # Under torch.func transforms every call takes the plain path: a plan made outside them may
+    # hold a native launch, which implements none of functorch's rules.
+    if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
         try:
             sig = (
                 arg_key(query), arg_key(key), arg_key(value), arg_key(attn_mask), static_key(dropout_p),

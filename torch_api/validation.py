@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from ..bridge.functorch import underlying
+
 
 class AttentionInputError(ValueError, RuntimeError):
     """An argument of an attention call is malformed."""
@@ -171,10 +173,14 @@ def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
     One host read for all tensors: NaN propagates through amin/amax and +-inf shows in them (a
     mask's amax is clamped: only its NaN counts); only a failing call counts the bad positions.
     Attention-sink logits ("sinks") are checked like a mask: -inf (no sink) is valid, NaN is not.
+    Under torch.func transforms the plain tensors beneath the wrappers are read: they hold every
+    vmapped sample (vmap refuses to read a batched tensor's value).
     """
     mode = _finite_check[0]
     if mode == "off" or torch.compiler.is_compiling():
         return
+    if torch._C._are_functorch_transforms_active():
+        tensors = {name: None if t is None else underlying(t) for name, t in tensors.items()}
     checked, extremes = [], []
     for name, t in tensors.items():
         if t is None or t.dtype == torch.bool or not t.numel() or (mode == "cpu" and t.device.type != "cpu"):
