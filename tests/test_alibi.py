@@ -212,7 +212,8 @@ def test_jax_core_attention_takes_alibi_slopes(implementation):
         return jnp.sum(res.attention_outputs), (res.attention_outputs, res.lse)
 
     j = lambda t: jnp.asarray(t.numpy())  # noqa: E731
-    grads, (out, lse) = jax.grad(run, argnums=(0, 3), has_aux=True)(j(q), j(k), j(v), j(slopes))
+    with jax.default_matmul_precision("float32"):  # XLA on a GPU would multiply float32 in TF32
+        grads, (out, lse) = jax.grad(run, argnums=(0, 3), has_aux=True)(j(q), j(k), j(v), j(slopes))
     ref, ref_lse = reference(*(x.transpose(1, 2) for x in (q, k, v)), causal=True, alignment="bottom_right",
                              bias=alibi_matrix(slopes, l, s))
     to64 = lambda a: torch.from_numpy(np.array(a, np.float64))  # noqa: E731
