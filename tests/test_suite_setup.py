@@ -1,8 +1,10 @@
 """The XLA settings of tests/conftest.py: the cheap-compile flags are added only when the installed
-jaxlib defines them (XLA aborts the process on an unknown flag), and they reach XLA."""
+jaxlib defines them (XLA aborts the process on an unknown flag), and they reach XLA, except under
+`--thorough`, which runs XLA's default code generation."""
 
 import os
 import shutil
+import sys
 
 import conftest
 import jax
@@ -20,6 +22,9 @@ def test_cheap_compile_flags_reach_xla():
     flags = os.environ.get("XLA_FLAGS", "").split()
     if not set(conftest._XLA_FLAGS) <= set(flags):
         pytest.skip(f"XLA_FLAGS came from the environment: {flags}")
+    if "--thorough" in sys.argv[1:]:
+        assert not set(conftest._FAST_CPU_COMPILES) & set(flags), "--thorough runs XLA's default code generation"
+        return
     known = [f for f in conftest._FAST_CPU_COMPILES if conftest._xla_knows(f)]
     assert known and set(known) <= set(flags)
     # XLA accepted them (it aborts the process on an unknown flag when its CPU backend starts)
