@@ -464,37 +464,49 @@ def _no_grad(fn: Callable[[], Any]) -> Any:
 # Profiling (--profile)
 
 
+#: Consecutive calls profiled per implementation after one unprofiled call: the averages are the
+#: steady state the timed loops see (a single profiled step after switching implementations read
+#: a long-sequence attention kernel 12% faster than its steady state).
+PROFILE_STEPS = 3
+
+
 def _profile_cell(run: "_Run", cell: dict, calls: dict[str, Callable[[], Any]], select) -> None:
-    """One profiled call of each implementation: total device time, the top attention kernels and
-    the wall time of the step, so that a slow cell splits into kernel time and host time."""
+    """PROFILE_STEPS profiled calls of each implementation: device time per call, the top attention
+    kernels and the wall time per call, so that a slow cell splits into kernel time and host time."""
     cell["kernels"], cell["kernel_total_us"], cell["profile_step_ms"] = {}, {}, {}
     try:
         for impl, fn in calls.items():
             select(impl)
-            total, top, step_ms = profile_once(fn, run.clock)
+            total, top, step_ms = profile_steps(fn, run.clock, PROFILE_STEPS)
             cell["kernels"][impl], cell["kernel_total_us"][impl], cell["profile_step_ms"][impl] = top, total, step_ms
     except Exception as exc:  # the profiler is optional: the timings stay valid without it
         cell["profile_error"] = error_text(exc)
 
 
-def profile_once(fn: Callable[[], Any], clock) -> tuple[float, list[dict], float]:
-    """Profiles one call of `fn`.
+def profile_steps(fn: Callable[[], Any], clock, steps: int) -> tuple[float, list[dict], float]:
+    """Profiles `steps` consecutive calls of `fn` after one unprofiled call; averages per call.
 
     Returns:
-        (total µs of the device's kernels (on the CPU: of all ops' self time), the TOP_KERNELS
-        attention kernels by total time as [{"name", "us", "calls"}], the step's wall time in ms).
+        (µs per call of the device's kernels (on the CPU: of all ops' self time), the TOP_KERNELS
+        attention kernels by time per call as [{"name", "us", "calls"}] (calls per call), the wall
+        time per call in ms).
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    if steps < 1:
+        raise ValueError(f"steps={steps}: expected at least 1 profiled call.")
     on_cuda = clock.device_type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    # On CUDA only the device's activity: tracing every CPU op would slow the host side it measures.
+    activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
+    fn()
     clock.sync()
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        fn()
+        for _ in range(steps):
+            fn()
         clock.sync()
-        step_ms = (time.perf_counter() - t0) * 1e3
+        step_ms = (time.perf_counter() - t0) * 1e3 / steps
     wanted = DeviceType.CUDA if on_cuda else DeviceType.CPU
     totals: dict[str, list[float]] = {}
     for event in prof.events():
@@ -502,10 +514,10 @@ def profile_once(fn: Callable[[], Any], clock) -> tuple[float, list[dict], float
             continue
         us = event.time_range.elapsed_us() if on_cuda else event.self_cpu_time_total
         entry = totals.setdefault(event.name, [0.0, 0])
-        entry[0] += us
+        entry[0] += us / steps
         entry[1] += 1
     total = sum(us for us, _ in totals.values())
-    attention = [(name, us, n) for name, (us, n) in totals.items()
+    attention = [(name, us, n / steps) for name, (us, n) in totals.items()
                  if any(word in name.lower() for word in ATTENTION_KERNEL_WORDS)]
     attention.sort(key=lambda item: -item[1])
     top = [{"name": name[:160], "us": round(us, 1), "calls": n} for name, us, n in attention[:TOP_KERNELS]]
@@ -633,7 +645,7 @@ def run_models(size: Optional[str] = None, *, device: Optional[str] = None, impl
         device: "cuda" or "cpu"; default cuda when torch sees a GPU.
         implementation: a jaxattn implementation name forced for the jaxattn column (registered
             as attn_implementation "jaxattn_forced"); None: jaxattn's automatic selection ("jaxattn").
-        profile: train and prefill cells also record one profiled step of each implementation (`profile_once`).
+        profile: train and prefill cells also record PROFILE_STEPS profiled steps of each implementation (`profile_steps`).
         out_dir: write models.json and models.md there.
         progress: progress lines on stderr.
         print_table: print the table on stdout at the end.
