@@ -289,3 +289,143 @@ def test_native_kernels(layout, t, causal, rot, window):
     case["extra"] = {name: x.cpu() for name, x in case["extra"].items()}
     rotary = None if rotary is None else (rotary[0].cpu(), rotary[1].cpu(), *rotary[2:])
     check(case, out.cpu(), lse.cpu(), rotary=rotary, causal=causal, window=window, tol=2e-4 if dev == "cuda" else 2e-5)
+
+
+# --- flash_attn_with_kvcache (flash-attn 2's semantics and defaults) --------------------------------
+
+
+@pytest.mark.parametrize("layout,t,causal,window,interleaved", [
+    ("contiguous", 1, False, (-1, -1), True),
+    ("paged", 5, True, (-1, -1), False),
+    ("batch_idx", 5, False, (-1, -1), True),   # not causal, not local: every query rotated at cache_seqlens
+    ("contiguous", 5, False, (3, 1), False),   # local: queries at their own positions
+    ("contiguous", 5, False, (60, 60), True),  # sides >= the capacity are unbounded: not local
+    ("paged", 17, False, (-1, -1), False),
+    ("contiguous", 17, True, (4, -1), True),
+], ids=str)
+def test_flash_attn_with_kvcache(layout, t, causal, window, interleaved):
+    case = make_case(200 + t, layout=layout, t=t, starts=(0, 1, 2, 3))
+    cos, sin = rotary_tables(48, 8)
+    local = any(0 <= w < 48 for w in window)
+    rotary = (cos, sin, interleaved, not causal and not local)
+    extra = dict(case["extra"])
+    # flash-attn's leftpad is not with paged caches there; here it is (a superset)
+    out, lse = flash_attn_with_kvcache(case["q"], case["kc"], case["vc"], case["k"], case["v"], rotary_cos=cos,
+                                       rotary_sin=sin, cache_seqlens=case["lengths"], cache_leftpad=case["starts"],
+                                       causal=causal, window_size=window, rotary_interleaved=interleaved,
+                                       num_splits=3, return_softmax_lse=True, **extra)
+    ref_window = tuple(-1 if w >= 48 else w for w in window)
+    check(case, out, lse, rotary=rotary, causal=causal, window=ref_window)
+
+
+def test_flash_attn_with_kvcache_defaults():
+    # cache_seqlens None: each sequence is its whole cache row; softcap 0.0: off; non-causal by default
+    case = make_case(300, layout="contiguous", t=3, t_new=0, lengths=(48, 48, 48, 48))
+    q = case["q"].requires_grad_()
+    out = flash_attn_with_kvcache(q, case["kc"], case["vc"], softcap=0.0, alibi_slopes=None)
+    assert not out.requires_grad  # an inference call, as flash-attn's: no autograd history
+    ref, _, _, _ = expected(case["q"].detach(), *case["dense"], case["lengths"], None, causal=False)
+    assert (out.double() - ref).abs().max().item() < 2e-5
+    # an int cache_seqlens, softcap, ALiBi
+    case = make_case(301, layout="paged", t=4, lengths=(12, 12, 12, 12))
+    slopes = torch.rand(case["q"].shape[2], generator=case["gen"])
+    out, lse = flash_attn_with_kvcache(case["q"], case["kc"], case["vc"], case["k"], case["v"], cache_seqlens=12,
+                                       softcap=5.0, alibi_slopes=slopes, softmax_scale=0.3, causal=True,
+                                       return_softmax_lse=True, **case["extra"])
+    check(case, out, lse, causal=True, softcap=5.0, alibi=slopes, scale=0.3)
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+def _bad(case, **changes):
+    args = dict(q=case["q"], k_cache=case["kc"], v_cache=case["vc"], cache_seqlens=case["lengths"], k=case["k"],
+                v=case["v"], **case["extra"])
+    args.update(changes)
+    q, kc, vc, lengths = (args.pop(n) for n in ("q", "k_cache", "v_cache", "cache_seqlens"))
+    with torch.no_grad():
+        kvcache_attention(q, kc, vc, lengths, **args)
+
+
+ERRORS = [
+    ("q", lambda c: dict(q=c["q"][0]), "q: expected a non-empty 4-D"),
+    ("q dtype", lambda c: dict(q=c["q"].double()), "k_cache: torch.float32"),
+    ("heads", lambda c: dict(q=c["q"][:, :, :3]), "not a multiple"),
+    ("rows", lambda c: dict(q=c["q"][:3], k=c["k"][:3], v=c["v"][:3], cache_seqlens=c["lengths"][:3]),
+     "cache_batch_idx"),
+    ("k only", lambda c: dict(v=None), "pass both"),
+    ("k shape", lambda c: dict(k=c["k"][:, :, :1]), "k: shape"),
+    ("lengths", lambda c: dict(cache_seqlens=c["lengths"].float()), "cache_seqlens: expected an int32"),
+    ("overflow", lambda c: dict(cache_seqlens=torch.tensor([0, 0, 0, 47], dtype=torch.int32)), "capacity"),
+    ("starts", lambda c: dict(cache_starts=torch.tensor([1, 0, 0, 0], dtype=torch.int32)), "cache_starts"),
+    ("window", lambda c: dict(window=(-2, 0)), "window=\\(-2, 0\\)"),
+    ("softcap", lambda c: dict(softcap=0.0), "softcap=0.0"),
+    ("causal", lambda c: dict(causal=1), "causal=1"),
+    ("rotary one", lambda c: dict(rotary_cos=rotary_tables(48, 8)[0]), "pass both"),
+    ("rotary dim", lambda c: dict(zip(("rotary_cos", "rotary_sin"), rotary_tables(48, 2 * D + 2))), "rotary_dim"),
+    ("rotary rows", lambda c: dict(zip(("rotary_cos", "rotary_sin"), rotary_tables(40, 8))), "capacity 48"),
+    ("rotary no k", lambda c: dict(k=None, v=None, **dict(zip(("rotary_cos", "rotary_sin"), rotary_tables(48, 8)))),
+     "needs k and v"),
+    ("alibi", lambda c: dict(alibi_slopes=torch.ones(3)), "alibi_slopes"),
+    ("batch idx", lambda c: dict(cache_batch_idx=torch.tensor([0, 1, 2, 9], dtype=torch.int32)), "cache_batch_idx"),
+]
+
+
+@pytest.mark.parametrize("name,change,message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors_name_the_argument(name, change, message):
+    case = make_case(400, layout="contiguous", t=2)
+    with pytest.raises((AttentionInputError, TypeError), match=message):
+        _bad(case, **change(case))
+
+
+def test_paged_errors():
+    case = make_case(401, layout="paged", t=2)
+    table = case["extra"]["block_table"].clone()
+    table[3, 3] = 999  # a page holding positions of sequence 3 (length 30 + 2)
+    with pytest.raises(AttentionInputError, match="block_table: entry \\[3, 3\\] = 999"):
+        _bad(case, block_table=table)
+    with pytest.raises(AttentionInputError, match="block_table\\[cache_batch_idx\\]"):
+        _bad(case, cache_batch_idx=torch.arange(4, dtype=torch.int32))
+
+
+def test_not_differentiable():
+    case = make_case(402, layout="contiguous", t=2)
+    with pytest.raises(AttentionInputError, match="not differentiable.*q require grad"):
+        kvcache_attention(case["q"].requires_grad_(), case["kc"], case["vc"], case["lengths"])
+    with pytest.raises(AttentionInputError, match="cache_seqlens: required with k / v"):
+        flash_attn_with_kvcache(case["q"], case["kc"], case["vc"], case["k"], case["v"])
+    with pytest.raises(AttentionInputError, match="num_splits=-1"):
+        flash_attn_with_kvcache(case["q"], case["kc"], case["vc"], num_splits=-1)
+
+
+# --- GPU: bf16 / fp16 on the compiled kernels (skipped without CUDA) --------------------------------
+
+
+GPU_CASES = [("contiguous", 1, True, "neox"), ("paged", 4, False, "gptj"), ("batch_idx", 16, True, "none"),
+             ("contiguous", 33, True, "gptj"), ("paged", 100, False, "neox")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout,t,causal,rot", GPU_CASES, ids=str)
+def test_on_gpu(layout, t, causal, rot, dtype):
+    s = 512
+    case = make_case(500 + t, layout=layout, t=t, groups=4, s=s, lengths=(0, 1, 300, 400), starts=(0, 0, 17, 100),
+                     dtype=dtype, device="cuda")
+    rotary = tables(rot, s)
+    if rotary is not None:
+        rotary = (rotary[0].cuda(), rotary[1].cuda(), *rotary[2:])
+    out, lse = run_case(case, rotary=rotary, causal=causal, window=(200, -1))
+    cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
+    args = (cpu(case["q"]), *(x.cpu() for x in case["dense"]), case["lengths"].cpu(), cpu(case["starts"]),
+            cpu(case["k"]), cpu(case["v"]))
+    rot_cpu = None if rotary is None else (rotary[0].cpu(), rotary[1].cpu(), *rotary[2:])
+    kw = dict(rotary=rot_cpu, causal=causal, window=(200, -1))
+    ref, ref_lse, _, _ = expected(*args, **kw)
+    low, _, _, _ = expected(*args, dtype=dtype, **kw)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert_dtype_rule("out", out.cpu(), ref, low, floor=1e-3)
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.cpu().isfinite(), finite)
+    assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max().item() < 1e-2
