@@ -246,6 +246,20 @@ def test_no_append_and_fewer_queries_than_new_keys():
     check(case, out, lse, causal=False, rotary=rotary)
 
 
+@pytest.mark.parametrize("t", [3, 17])
+def test_empty_sequences_and_unused_table_entries(t):
+    # sequence 0 has no keys (zeros, LSE -inf); block-table entries past the used pages hold -1
+    for layout in ("contiguous", "paged"):
+        case = make_case(75 + t, layout=layout, t=t, t_new=0, lengths=(0, 20, 30, 40), starts=(0, 20, 1, 0))
+        if layout == "paged":
+            table = case["extra"]["block_table"]
+            used = (case["lengths"].long() + PAGE - 1) // PAGE
+            table[torch.arange(table.shape[1])[None, :] >= used[:, None]] = -1
+        out, lse = run_case(case, causal=False)
+        assert torch.equal(out[:2], torch.zeros_like(out[:2]))
+        check(case, out, lse, causal=False)
+
+
 def test_value_head_dim_and_int_lengths():
     case = make_case(80, layout="batch_idx", t=17, dv=8, lengths=(9, 9, 9, 9))
     with torch.no_grad():
