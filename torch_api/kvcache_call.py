@@ -12,8 +12,9 @@ Caches (flash-attn's kvcache layouts; the caller owns them):
 
 What one call does, per sequence b (L = cache_seqlens[b], s = cache_starts[b] or 0):
     1. rotary (rotary_cos / rotary_sin given): new key i is rotated at position L + i; query i at
-       position L + i (or at L for every query with rotary_shared_q_position=True). Positions are
-       absolute cache positions (left padding included).
+       position L + i (or at L for every query with rotary_shared_q_position=True), flash-attn's
+       rule, which matches the attention positions below when T == T_new. Positions are absolute
+       cache positions (left padding included).
     2. append (k / v given): new key/value i is written into the cache at position L + i, in place
        (an index_put of the T_new new positions; the rest of the cache is not copied).
     3. attention of the T queries to the keys [s, L + T_new). The queries are the LAST T positions
