@@ -14,7 +14,8 @@ Semantics (`decode_attention`):
     * lengths[b] = number of valid positions (exclusive end, <= S); starts[b] = first valid
       position (default 0). Only positions in [start, length) are attended.
     * The T queries are the LAST T positions of their sequence: query t sits at position
-      length - T + t and sees positions j <= its own (causal among themselves, bottom-right).
+      length - T + t and sees positions j <= its own (causal among themselves, bottom-right);
+      with causal=False every query sees the whole valid region.
     * A window w (sliding_window=w, flash-attn's left window) keeps positions j >= pos - w: each
       query sees at most w + 1 positions, itself included.
     * Soft cap c: logits -> c * tanh(logits / c). Sinks (softmax_aux, (Hq,) or (Hq, n)): extra
@@ -320,12 +321,15 @@ class DecodeAttn(AttentionImpl):
         query_layout: Literal["BTHD", "BHTD"] = "BTHD",
         kernel: Optional[Kernel] = None,
         return_lse: bool = False,
+        causal: bool = True,
     ) -> AttentionOutput:
         """Decode attention; arguments as `decode_attention` (scale and dtypes from the metadata)."""
         cache_layout = cache_layout or ("paged" if block_table is not None else "BSHD")
         b, t, hq, hkv = check_decode_args(query, key_cache, value_cache, lengths, starts, block_table, softmax_aux,
                                           cache_layout=cache_layout, query_layout=query_layout)
         window = normalize_window(sliding_window)
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal={causal!r}: expected a bool (True: each query sees positions up to its own).")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap={logits_soft_cap!r}: expected a positive float or None.")
         platform = self.metadata.platform or platform_of(query, key_cache, value_cache)
@@ -336,7 +340,7 @@ class DecodeAttn(AttentionImpl):
         if reasons:
             raise ValueError(f"decode cannot run this call with kernel={kernel!r}: " + "; ".join(reasons) + ".")
         return self._run(query, key_cache, value_cache, lengths, starts, block_table, softmax_aux, kernel=kernel,
-                         causal=True, window=window, pos_shift=0, softcap=logits_soft_cap, q_layout=query_layout,
+                         causal=causal, window=window, pos_shift=0, softcap=logits_soft_cap, q_layout=query_layout,
                          cache_layout=cache_layout, return_lse=return_lse)
 
     def _run(self, query, key, value, lengths, starts, block_table, softmax_aux, *, kernel, causal, window,
@@ -425,6 +429,7 @@ def decode_attention(
     kernel: Optional[Kernel] = None,
     return_lse: bool = False,
     metadata: Optional[AttentionMetadata] = None,
+    causal: bool = True,
 ) -> AttentionOutput:
     """Attention of T <= 16 new queries per sequence against a ragged KV cache (module docstring).
 
@@ -444,6 +449,9 @@ def decode_attention(
         kernel: "triton" (GPU), "pallas" (TPU), "xla" (anywhere), or None for the platform's.
         return_lse: also return the (B, Hq, T) float32 log-sum-exp of each query's logits.
         metadata: scale (`softmax_scale`), runtime dtype, platform; default `AttentionMetadata()`.
+        causal: True: each query sees positions up to its own. False: every query sees the whole
+            valid region [start, length) (the window, when given, still applies around each
+            query's position, on both sides).
 
     Returns:
         AttentionOutput with `attention_outputs` (B, T, Hq, Dv) (or (B, Hq, T, Dv)) in the query's
@@ -457,7 +465,7 @@ def decode_attention(
     return _instance(metadata).decode(
         query, key_cache, value_cache, lengths, starts=starts, block_table=block_table,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-        cache_layout=cache_layout, query_layout=query_layout, kernel=kernel, return_lse=return_lse,
+        cache_layout=cache_layout, query_layout=query_layout, kernel=kernel, return_lse=return_lse, causal=causal,
     )
 
 

@@ -219,16 +219,26 @@ def decode_attention(
     if paged:
         _check_pages(block_table, lengths, starts, k_cache.shape[1], k_cache.shape[0])
     check_finite({"q": q, "sinks": sinks})
-    # The Triton kernels launched from torch (no XLA runtime on the call path) where they run the call.
+    return run_decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, causal=True,
+                      window=(-1 if window is None else window, -1), softcap=softcap, scale=scale,
+                      cache_layout="paged" if paged else cache_layout, return_lse=return_lse, kernel=kernel)
+
+
+def run_decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, causal: bool, window: tuple[int, int],
+               softcap, scale, cache_layout: str, return_lse: bool, kernel):
+    """A validated decode call: (B, Hq, T, D) queries, lengths / starts (B,) int32, `cache_layout`
+    "BSHD", "BHSD" or "paged", `window` (left, right) around each query's position (-1: unbounded),
+    `causal` False: every query sees the whole valid region. Launched natively where it can be,
+    else through the XLA bridge (`decode_attention`'s docstring)."""
     native = native_decode.native_spec(q, k_cache, v_cache, sinks, window=window, softcap=softcap, scale=scale,
-                                       cache_layout="paged" if paged else cache_layout, kernel=kernel)
+                                       cache_layout=cache_layout, kernel=kernel, causal=causal)
     if native is not None:
         return native_decode.decode_native(native, q, k_cache, v_cache, lengths, starts, block_table, sinks,
                                            return_lse)
     op = _decode_lse_jax if return_lse else _decode_jax
     return op(
-        q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window,
+        q, k_cache, v_cache, lengths, starts, block_table, sinks, window=tuple(window),
         softcap=None if softcap is None else float(softcap), scale=None if scale is None else float(scale),
-        cache_layout="paged" if paged else cache_layout, kernel=kernel,
+        cache_layout=cache_layout, kernel=kernel, causal=bool(causal),
         platform="cpu" if q.device.type == "cpu" else "gpu",
     )

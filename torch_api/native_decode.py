@@ -76,11 +76,12 @@ def native_reasons(device: torch.device, dtype: torch.dtype, d: int, dv: int, ke
 
 
 def native_spec(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sinks: Optional[torch.Tensor], *,
-                window: Optional[int], softcap: Optional[float], scale: Optional[float], cache_layout: str,
-                kernel: Optional[str]) -> Optional[NativeDecodeSpec]:
+                window: tuple[int, int], softcap: Optional[float], scale: Optional[float], cache_layout: str,
+                kernel: Optional[str], causal: bool = True) -> Optional[NativeDecodeSpec]:
     """The spec of a native launch of this (validated) `decode_attention` call, or None when the
     XLA path runs it: `sdpa_launcher("xla")`, a call that needs gradients, or under "auto" a call
-    off CUDA or one the native launcher cannot run. `cache_layout` is "BSHD", "BHSD" or "paged".
+    off CUDA or one the native launcher cannot run. `cache_layout` is "BSHD", "BHSD" or "paged";
+    `window` is (left, right) around each query's position (-1: unbounded).
 
     Raises:
         ValueError: under `sdpa_launcher("native")`, a call the native launcher cannot run (with
@@ -97,13 +98,14 @@ def native_spec(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     elif reasons or q.device.type != "cuda":
         return None
     fast_tanh = q.device.type == "cuda" and torch.version.hip is None
-    key = (scale, window, softcap, cache_layout, fast_tanh, q.shape[3])
+    window = (int(window[0]), int(window[1]))
+    key = (scale, window, causal, softcap, cache_layout, fast_tanh, q.shape[3])
     if not torch.compiler.is_compiling():
         found = _SPECS.get(key)
         if found is not None:
             return found
-    cfg = DecodeConfig(scale=float(scale) if scale is not None else q.shape[3] ** -0.5, causal=True,
-                       window=(int(window), -1) if window is not None else (-1, -1), pos_shift=0,
+    cfg = DecodeConfig(scale=float(scale) if scale is not None else q.shape[3] ** -0.5, causal=bool(causal),
+                       window=window, pos_shift=0,
                        softcap=None if softcap is None else float(softcap), q_layout="BHTD",
                        cache_layout=cache_layout, fast_tanh=fast_tanh)
     spec = NativeDecodeSpec(cfg)

@@ -6,8 +6,10 @@ RuntimeError) and code expecting ValueError both catch them.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+import threading
+from typing import Iterator, Optional
 
 import torch
 
@@ -30,6 +32,26 @@ def set_finite_check(mode: str) -> None:
     if mode not in ("cpu", "always", "off"):
         raise ValueError(f"mode={mode!r}: expected 'cpu', 'always' or 'off'.")
     _finite_check[0] = mode
+
+
+class _Exempt(threading.local):
+    def __init__(self) -> None:
+        self.active = False
+
+
+_exempt = _Exempt()
+
+
+@contextlib.contextmanager
+def finite_check_exempt() -> Iterator[None]:
+    """Within the block `check_finite` checks nothing: for calls whose key/value tensors are whole
+    KV caches, where slots outside the valid region may hold anything (the caller checks the
+    tensors it was given)."""
+    before, _exempt.active = _exempt.active, True
+    try:
+        yield
+    finally:
+        _exempt.active = before
 
 
 def describe(t) -> str:
@@ -177,7 +199,7 @@ def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
     vmapped sample (vmap refuses to read a batched tensor's value).
     """
     mode = _finite_check[0]
-    if mode == "off" or torch.compiler.is_compiling():
+    if mode == "off" or _exempt.active or torch.compiler.is_compiling():
         return
     if torch._C._are_functorch_transforms_active():
         tensors = {name: None if t is None else underlying(t) for name, t in tensors.items()}
