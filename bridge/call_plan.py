@@ -71,6 +71,7 @@ def _eager_possible() -> bool:
         or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._are_functorch_transforms_active()
+        or torch._C._get_tracing_state() is not None  # torch.jit.trace records the custom op
     )
 
 

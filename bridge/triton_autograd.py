@@ -122,7 +122,7 @@ class TritonOp:
     def __call__(self, spec: Any, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             refuse_forward_ad(self.name, inputs)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or recorded():
             _register_while_tracing(self.name)
             fwd, _ = self._library_ops()
             padded = tuple(inputs) + (None,) * (MAX_INPUTS - len(inputs))
@@ -197,6 +197,15 @@ class TritonOp:
 
 #: Every TritonOp by name (for `_register_while_tracing`, whose argument must be a constant).
 _BY_NAME: dict = {}
+
+
+def recorded() -> bool:
+    """Whether calls are recorded rather than run eagerly: a dispatch mode is active (FakeTensorMode,
+    torch.export's tracer) or torch.jit.trace is tracing. Such calls go through the library ops,
+    whose fake implementation answers shapes and which a trace can hold."""
+    return bool(torch._C._len_torch_dispatch_stack()) or torch._C._get_tracing_state() is not None
+
+
 _REGISTERING = threading.Lock()
 
 

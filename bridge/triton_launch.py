@@ -140,6 +140,8 @@ class KernelLaunch:
         if len(tensors) != len(self.tensors):
             raise TypeError(f"expected {len(self.tensors)} tensors ({', '.join(self.tensors)}), got {len(tensors)}.")
         if _trace.wrapped:
+            if _shapes_only(tensors[0]):
+                return
             from torch.library import wrap_triton
 
             wrap_triton(self.kernel)[self.grid](**self._kwargs(tensors), num_warps=self.num_warps,
@@ -266,6 +268,16 @@ def _constexpr_names(kernel) -> frozenset:
         return frozenset()
     return frozenset(name for name, p in inspect.signature(fn).parameters.items()
                      if p.annotation is tl.constexpr or p.annotation == "tl.constexpr")
+
+
+def _shapes_only(t: torch.Tensor) -> bool:
+    """Whether a wrapped launch meets fake tensors with no graph being recorded (FakeTensorMode alone,
+    answering an op's output shapes): there are no values to compute and no trace to record into.
+    (The Triton interpreter would otherwise run the kernel on the fake tensors' missing memory.)"""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return isinstance(t, FakeTensor) and get_proxy_mode() is None
 
 
 def _idle(hook) -> bool:

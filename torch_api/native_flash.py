@@ -18,7 +18,7 @@ import torch
 from torch.autograd import forward_ad
 
 from ..bridge import triton_program
-from ..bridge.triton_autograd import PlannedCall, TritonOp, cached_hash
+from ..bridge.triton_autograd import PlannedCall, TritonOp, cached_hash, recorded
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
@@ -420,7 +420,8 @@ class NativeFlash(PlannedCall):
                  mask: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, Dv) of this signature -> out (B, Hq, L, Dv)."""
         if (bias is None and mask is None and seed is None and not traced() and forward_ad._current_level < 0
-                and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()):
+                and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
+                and not recorded()):
             kernel = _entries(q.shape[2])["fwd"]
             if self._kernel is not kernel:
                 self._launches = _launches(self.spec, q, k, v, None, None, None, None)

@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..bridge.functorch import underlying
+from ..bridge.triton_autograd import recorded
 
 
 class AttentionInputError(ValueError, RuntimeError):
@@ -199,7 +200,8 @@ def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
     vmapped sample (vmap refuses to read a batched tensor's value).
     """
     mode = _finite_check[0]
-    if mode == "off" or _exempt.active or torch.compiler.is_compiling():
+    # A recorded call (FakeTensorMode, torch.jit.trace) has no values to read, or none its trace keeps.
+    if mode == "off" or _exempt.active or torch.compiler.is_compiling() or recorded():
         return
     if torch._C._are_functorch_transforms_active():
         tensors = {name: None if t is None else underlying(t) for name, t in tensors.items()}
