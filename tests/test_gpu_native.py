@@ -245,6 +245,33 @@ def test_torch_compile_fullgraph(mode):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
+def test_torch_compile_dynamic_shapes_one_graph():
+    """torch.compile(dynamic=True, fullgraph=True) over native calls: one graph serves every length
+    (L and S apart, causal and masked, forward and gradients), each call equal to the eager call."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    def f(q, k, v, mask):
+        a = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        b = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return (a.float() + b.float()).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
+    for l, s in ((97, 130), (130, 97), (33, 1025), (200, 200)):
+        q, k, v = _qkv(b=2, hq=4, hk=2, l=l, s=s, grad=True)
+        mask = torch.rand(2, 1, l, s, device=DEV) > 0.2
+        loss = compiled(q, k, v, mask)
+        grads = torch.autograd.grad(loss, (q, k, v))
+        want = f(q, k, v, mask)
+        want_grads = torch.autograd.grad(want, (q, k, v))
+        torch.testing.assert_close(loss, want, rtol=1e-3, atol=1e-3)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+    assert counter.frame_count == 1, counter.frame_count
+
+
 def test_transformers_static_cache_generation():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -181,8 +181,10 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
         alibi: the call has ALiBi slopes.
         Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
     """
-    # Sizes as ints: under torch.jit.trace a tensor's sizes come as traced values.
-    q_shape, k_shape, value_head_dim = tuple(map(int, q_shape)), tuple(map(int, k_shape)), int(value_head_dim)
+    # Under torch.jit.trace a tensor's sizes come as 0-d tensors: the settings take ints (and symbolic
+    # sizes under torch.compile(dynamic=True) stay symbolic).
+    if any(isinstance(n, torch.Tensor) for n in (*q_shape, *k_shape, value_head_dim)):
+        q_shape, k_shape, value_head_dim = tuple(map(int, q_shape)), tuple(map(int, k_shape)), int(value_head_dim)
     l, s = q_shape[2], k_shape[2]
     # A decoding call's settings do not depend on its key length (a new one each step of a
     # growing cache): memoized without it.
