@@ -358,8 +358,7 @@ class TestOnGPU:
         q, k, v = (torch.randn(n, generator=gen, device="cuda").to(dtype).requires_grad_()
                    for n in ((cu_q[-1], 8, 64), (cu_k[-1], 2, 64), (cu_k[-1], 2, 64)))
         kw = dict(causal=True, window_size=(64, 0), softcap=15.0)
-        args = (torch.tensor(cu_q, dtype=torch.int32, device="cuda"), torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
-                257, 460)
+        args = tuple(torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cu_q, cu_k)) + (257, 460)
         out = fai.flash_attn_varlen_func(q, k, v, *args, deterministic=True, **kw)
         dout = torch.randn(out.shape, generator=gen, device="cuda").to(dtype)
         grads = torch.autograd.grad(out, [q, k, v], dout)

@@ -98,7 +98,8 @@ def _options(softmax_scale, softcap, deterministic, return_attn_probs, dropout_p
     for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}={flag!r}: expected a bool, got {type(flag).__name__}.")
-    if return_attn_probs and not (isinstance(dropout_p, (int, float)) and dropout_p == 0):
+    # (a dropout_p that is no probability at all is flash_attention's to refuse, by name)
+    if return_attn_probs and isinstance(dropout_p, (int, float)) and dropout_p > 0:
         raise NotImplementedError(
             f"return_attn_probs=True with dropout_p={dropout_p!r}: flash-attn returns its dropout pattern in "
             "S_dmask there, which jaxattn does not expose; use dropout_p=0.0 (S_dmask is then empty, as in "
