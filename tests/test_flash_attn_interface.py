@@ -245,6 +245,9 @@ def test_deterministic_is_accepted_and_repeatable():
     grads = [torch.autograd.grad(o, [q, k, v], torch.ones_like(o)) for o in outs]
     for o, g in zip(outs[1:], grads[1:]):
         assert torch.equal(o, outs[0]) and all(torch.equal(a, b) for a, b in zip(g, grads[0]))
+    # on CUDA, deterministic=True forces jaxattn's Triton kernels (cuDNN's backward uses atomics)
+    for flag, expected in ((True, "flash"), (False, None)):
+        assert fai._options(None, 0.0, flag, False, 0.0, torch.device("cuda"))["implementation"] == expected
 
 
 # flash-attn 2's documented signatures: parameter names and defaults, in order.
