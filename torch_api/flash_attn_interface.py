@@ -43,7 +43,8 @@ Where the results differ from flash-attn's:
   return_attn_probs=True with dropout_p > 0 raises NotImplementedError.
 * Varlen `block_table` (paged K/V) raises NotImplementedError: page tables are read by
   `jaxattn.torch_api.decode_attention` (and flash_attn_with_kvcache), not by the varlen path.
-* Inputs may also be float32 (and float64 on CPU); head dims need not be multiples of 8.
+* Inputs may also be float32, and float64 on CPU (softmax_lse is then float64 too); head dims need
+  not be multiples of 8.
 """
 
 from __future__ import annotations
