@@ -1,6 +1,6 @@
-"""What `import jaxattn.torch_api` loads: not torch._dynamo or torch._inductor (about 1.3 s), which
-only torch.compile needs, nor transformers (`register_transformers` imports it); and the
-torch.compile route still works with the ops registered late."""
+"""What `import jaxattn.torch_api` (and `jaxattn.flash_attn_interface`) loads: not torch._dynamo or
+torch._inductor (about 1.3 s), which only torch.compile needs, nor transformers (`register_transformers`
+imports it); and the torch.compile route still works with the ops registered late."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ DEFERRED = ("torch._dynamo", "torch._inductor", "transformers")
 
 
 def test_importing_torch_api_leaves_the_compiler_unloaded():
-    code = ("import sys, torch, jaxattn.torch_api\n"
+    code = ("import sys, torch, jaxattn.torch_api, jaxattn.flash_attn_interface\n"
             f"print(sorted(m for m in {DEFERRED!r} if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
