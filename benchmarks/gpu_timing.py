@@ -1,0 +1,46 @@
+"""Steady-state timing shared by the GPU benchmark scripts (`flash_gpu.py`, `decode_gpu.py`).
+
+Back-to-back calls timed together, as a training loop or a decoding loop issues them, so host work
+overlaps earlier GPU work; median over repeats after warm-up. The scripts are run as files
+(`python benchmarks/decode_gpu.py`), so Python finds this module next to them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import torch
+
+
+def time_torch(fn, warmup=5, iters=30, repeats=5):
+    """Steady-state time per call (µs): `iters` back-to-back calls between two CUDA events, as a
+    training loop issues them (host work overlaps earlier GPU work); median over `repeats`."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def time_jax(fn, warmup=5, iters=30, repeats=5):
+    """The same for JAX-only calls: back-to-back calls, then block_until_ready; wall time per call."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e6 / iters)
+    return statistics.median(times)
