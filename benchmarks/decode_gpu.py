@@ -20,7 +20,7 @@ Setting (the issue's): bf16, Hq=32, Hkv=8, D=128, one query per sequence.
   * B=1, S=4096: latency through the torch API (steady state, and one call at a time).
   * paged (page size 16, pages in random order) against the contiguous cache.
 Steady-state timing: back-to-back calls between CUDA events (torch) or to block_until_ready (JAX),
-median of 5 repeats after warm-up (see foundation_gpu.py `time_torch` / `time_jax`).
+median of 5 repeats after warm-up (gpu_timing.py `time_torch` / `time_jax`).
 `--sweep` also times tiles (BLOCK_N, warps, stages) and programs per multiprocessor of the kernel
 itself (`SweptDecodeConfig`, this benchmark's own: the product takes its tuned choices);
 `--ragged-sweep` only does that for ragged caches, next to torch SDPA and the read-only bandwidth;
@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 import statistics  # noqa: E402
 from typing import Optional  # noqa: E402
 
-from foundation_gpu import time_jax, time_torch  # noqa: E402
+from gpu_timing import time_jax, time_torch  # noqa: E402
 
 from jaxattn.bridge import to_jax  # noqa: E402
 from jaxattn.jax_core import decode_attention as jax_decode  # noqa: E402

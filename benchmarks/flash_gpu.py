@@ -1,4 +1,4 @@
-"""Flash kernel benchmark through the torch API (steady-state timing, see foundation_gpu.py).
+"""Flash kernel benchmark through the torch API (steady-state timing, see gpu_timing.py).
 
     python benchmarks/flash_gpu.py [--out flash.json] [--quick]
 
@@ -21,7 +21,7 @@ import jaxattn.bridge  # noqa: F401,E402
 import jax  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from foundation_gpu import time_torch  # noqa: E402
+from gpu_timing import time_torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from jaxattn.torch_api import flash_attention  # noqa: E402
