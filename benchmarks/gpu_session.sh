@@ -2,6 +2,7 @@
 # One lease of a CUDA machine: set up jaxattn without network access, then run what is asked.
 #   bash benchmarks/gpu_session.sh tests  [pytest args...]   # GPU test files
 #   bash benchmarks/gpu_session.sh bench  [jaxattn bench args...]
+#   bash benchmarks/gpu_session.sh py     benchmarks/<script>.py [args...]   # benchmarks/README.md
 # Needs the jax-triton wheel in .whl/ (pip download jax-triton==0.3.1 for Python 3.12).
 set -uo pipefail
 export HOME=/tmp TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TRITON_CACHE_DIR=/tmp/triton PYTHONUNBUFFERED=1

@@ -451,8 +451,8 @@ def use_gspmd_on_gpu(platform: str) -> bool:
 
     With Shardy (JAX's default) the XLA GPU compiler crashed (segmentation fault in its shardy-xla
     pass) on every ring backward, with either block kernel; GSPMD compiles and runs the same
-    program (jax 0.11.2, 2x H200, 2026-11-22; `benchmarks/ring_gpu_diagnose.py`). The switch is
-    process-wide, so it warns once. Returns whether it switched.
+    program (jax 0.11.2, 2x H200, 2026-11-22; the one-off script `benchmarks/ring_gpu_diagnose.py`,
+    removed from the tree, last in ba9d668). The switch is process-wide, so it warns once. Returns whether it switched.
     """
     if platform != "gpu" or not jax.config.jax_use_shardy_partitioner:
         return False

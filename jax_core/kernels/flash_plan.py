@@ -44,12 +44,14 @@ def fwd_block_sizes(D, Dv, dtype_bytes):
         dtype_bytes: bytes per element of Q/K/V (2 for fp16/bf16, 4 for fp32).
 
     Returns:
-        (BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of `benchmarks/flash_fwd_tiles.py` on
-        an H100 with Triton 3.6, bf16 (JAX-level, 2026-11-22): D=128 469 TFLOP/s causal L=8192 and
-        485 non-causal L=2048 with (64, 64, 4, 3) (against 444 / 438 with (128, 64, 8, 3)), which
-        also keeps the soft cap's cost at 11-13%; D=256 479 causal with (128, 64, 8, 2) (deeper
-        pipelines exceed shared memory). D=64 (torch launcher, causal GQA at the model benchmark's
-        shapes, B16 L512 to B1 L8192, both (B, L, H, D) and (B, H, L, D) memory, 2026-11-24):
+        (BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of one-off tile sweeps on an H100
+        with Triton 3.6, bf16 (`benchmarks/flash_fwd_tiles.py` and `flash_fwd_tiles_native.py`,
+        removed from the tree; last in 568a808). JAX-level, 2026-11-22: D=128 469 TFLOP/s causal
+        L=8192 and 485 non-causal L=2048 with (64, 64, 4, 3) (against 444 / 438 with
+        (128, 64, 8, 3)), which also keeps the soft cap's cost at 11-13%; D=256 479 causal with
+        (128, 64, 8, 2) (deeper pipelines exceed shared memory). D=64 (torch launcher, causal GQA at
+        the model benchmark's shapes, B16 L512 to B1 L8192, both (B, L, H, D) and (B, H, L, D)
+        memory, 2026-11-24):
         (64, 64, 4, 3) took 47-48 / 116-117 / 376-378 / 715-717 µs, the fastest of six tiles at
         every shape, against 65 / 124-149 / 383-397 / 741-945 µs with (128, 64, 8, 3).
     """
@@ -73,8 +75,9 @@ class FlashConfig:
 
     The launch choices (tiles, skipping fully masked tiles) are not settings: the methods below
     return the tuned ones. A benchmark comparing alternatives overrides them in a subclass of its
-    own (`benchmarks/flash_fwd_tiles.py`, `flash_bwd_tiles.py`, `flash_block_skip.py`); a subclass
-    never equals a FlashConfig, so its compilations and launch plans stay apart.
+    own (as the tile sweeps and the block-skip benchmark did, in `benchmarks/flash_swept_config.py`,
+    last in 568a808); a subclass never equals a FlashConfig, so its compilations and launch plans
+    stay apart.
     """
 
     scale: float
@@ -164,9 +167,10 @@ def to_bhtd(values: tuple[int, int, int, int], layout: str) -> tuple[int, int, i
 def bwd_tiles(d: int, dtype_bytes: int) -> tuple[Tile, Tile]:
     """Default backward tiles for head dim `d`: (dK/dV kernel, dQ kernel).
 
-    From `benchmarks/flash_bwd_tiles.py` on an H100 (bf16, causal, L=8192): 64x64 tiles with 4 warps
-    for both kernels at D=128 (393 TFLOP/s fwd+bwd, against 202 with 8 warps), 8 warps for dK/dV at
-    D=256 (246 TFLOP/s, against 114 with 32x32 tiles). fp32 keeps 4 warps and smaller tiles
+    From a one-off sweep (`benchmarks/flash_bwd_tiles.py`, removed from the tree; last in 568a808)
+    on an H100 (bf16, causal, L=8192): 64x64 tiles with 4 warps for both kernels at D=128
+    (393 TFLOP/s fwd+bwd, against 202 with 8 warps), 8 warps for dK/dV at D=256 (246 TFLOP/s,
+    against 114 with 32x32 tiles). fp32 keeps 4 warps and smaller tiles
     (Triton 3.6 miscompiles some fp32 tiles with 8 warps on Hopper; shared memory is doubled).
     """
     if dtype_bytes >= 4:
