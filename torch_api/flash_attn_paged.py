@@ -113,7 +113,7 @@ def paged_varlen_attention(
         bounds = (_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0]),
                   _max_seqlen("max_seqlen_k", max_seqlen_k, capacity))
     _check_cu_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], num_seqs * capacity, (max_seqlen_q, max_seqlen_k), bounds)
-    _check_pages(block_table, lengths, None, page_size, num_pages, "the sequence's length (cu_seqlens_k)")
+    _check_pages(block_table, lengths, None, page_size, num_pages, "the sequence's length (cu_seqlens_k)", "k")
     # Unchecked on CUDA: clamping keeps the gather in bounds whatever the lengths and the table hold
     # (entries past a sequence's last page may be anything).
     lengths = lengths.clamp(0, capacity)

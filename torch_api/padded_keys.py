@@ -31,7 +31,8 @@ def zero_outside(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> t
     the kept slots only)."""
     j = torch.arange(x.shape[1], device=x.device)[None, :]
     keep = (j >= starts[:, None]) & (j < ends[:, None])
-    return torch.where(keep.view(*keep.shape, *(1,) * (x.dim() - 2)), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    keep = keep.view(*keep.shape, *(1,) * (x.dim() - 2))
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def gap_boundaries(cu_seqlens_q: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
