@@ -314,15 +314,6 @@ def test_bad_layouts_raise_naming_the_tensor():
         fai.flash_attn_func(q, None, v)
 
 
-def test_varlen_block_table_raises_not_implemented():
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = make(gen, 6, 2, 8), make(gen, 4, 16, 2, 8), make(gen, 4, 16, 2, 8)
-    cu = torch.tensor([0, 6], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match=r"^block_table \(.*\): paged K/V is not supported"):
-        fai.flash_attn_varlen_func(q, k, v, cu, torch.tensor([0, 40], dtype=torch.int32), 6, 40,
-                                   block_table=torch.zeros(1, 4, dtype=torch.int32))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None,

@@ -106,8 +106,10 @@ def _check_values(lengths, starts, capacity: int) -> None:
         raise AttentionInputError(f"cache_starts: values {starts.tolist()} must be >= 0.")
 
 
-def _check_pages(block_table, lengths, starts, page_size: int, num_pages: int) -> None:
-    """On CPU: the block_table entries that hold positions in [cache_starts, cache_seqlens) name real pages."""
+def _check_pages(block_table, lengths, starts, page_size: int, num_pages: int,
+                 lengths_name: str = "cache_seqlens", pool_name: str = "k_cache") -> None:
+    """On CPU: the block_table entries that hold positions in [cache_starts, lengths) name real pages
+    (`lengths_name`, `pool_name`: the caller's names of the lengths and the pages, for the message)."""
     if block_table.device.type != "cpu" or torch.compiler.is_compiling():
         return
     slot = torch.arange(block_table.shape[1])[None, :]
@@ -117,9 +119,10 @@ def _check_pages(block_table, lengths, starts, page_size: int, num_pages: int) -
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):
         b, j = bad.nonzero()[0].tolist()
-        raise AttentionInputError(f"block_table: entry [{b}, {j}] = {int(block_table[b, j])} is not a page of k_cache "
-                                  f"({num_pages} pages; {int(bad.sum())} bad entries in all); expected page indices in "
-                                  f"[0, {num_pages - 1}] wherever a page holds positions below cache_seqlens.")
+        raise AttentionInputError(f"block_table: entry [{b}, {j}] = {int(block_table[b, j])} is not a page of "
+                                  f"{pool_name} ({num_pages} pages; {int(bad.sum())} bad entries in all); expected "
+                                  f"page indices in [0, {num_pages - 1}] wherever a page holds positions below "
+                                  f"{lengths_name}.")
 
 
 def decode_attention(

@@ -43,8 +43,10 @@ Where the results differ from flash-attn's:
   dropout_p > 0 (an empty tensor otherwise), to expose its dropout pattern to its tests; jaxattn's
   dropout pattern is not exposed, so S_dmask is the same empty (0,) tensor at dropout_p=0 and
   return_attn_probs=True with dropout_p > 0 raises NotImplementedError.
-* Varlen `block_table` (paged K/V) raises NotImplementedError: page tables are read by
-  `jaxattn.torch_api.decode_attention` (and flash_attn_with_kvcache), not by the varlen path.
+* Varlen `block_table` (paged K/V, `flash_attn_paged`): the pages each table row names are
+  gathered into per-sequence copies (the whole row, max_num_blocks_per_seq pages, whatever the
+  sequence's length), not read in place; gradients reach the paged k / v. With dropout the
+  pattern differs from a non-paged call's (a different packing), not its distribution.
 * Inputs may also be float32, and float64 on CPU (softmax_lse is then float64 too); head dims need
   not be multiples of 8.
 """
@@ -57,9 +59,10 @@ from typing import Optional, Union
 import torch
 
 from .flash import flash_attention
+from .flash_attn_paged import paged_varlen_attention
 from .flash_attn_kvcache import flash_attn_with_kvcache
 from .transformers_kwargs import deterministic_choice
-from .validation import AttentionInputError, describe
+from .validation import AttentionInputError
 
 __all__ = [
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
@@ -204,16 +207,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs: as in
             `flash_attn_func` (window sides >= max_seqlen_k count as unbounded).
         alibi_slopes: float32 (Hq,) or (N, Hq).
-        block_table: paged K/V is not supported here (NotImplementedError unless None).
+        block_table: None, or (N, max_num_blocks_per_seq) int32 (or int64) page indices: k and v are
+            then paged caches (num_blocks, page_block_size, Hk, D|Dv), and sequence n's keys are the
+            first cu_seqlens_k[n + 1] - cu_seqlens_k[n] positions of the pages block_table[n] lists,
+            in order (entries past its last page are not read). The pages of every row are gathered
+            into an (N, max_num_blocks_per_seq * page_block_size, Hk, D) copy (`flash_attn_paged`);
+            results and gradients (to q and to the paged k / v) are those of the same keys packed.
 
     Returns:
         out (total_q, Hq, Dv); with return_attn_probs, (out, softmax_lse (Hq, total_q) float32, S_dmask (0,)).
     """
     if block_table is not None:
-        raise NotImplementedError(
-            f"block_table ({describe(block_table)}): paged K/V is not supported by the varlen path; pass k and v "
-            "packed (total_k, nheads_k, headdim), or use jaxattn.torch_api.decode_attention(..., block_table=...) "
-            "(flash_attn_with_kvcache) for decoding against a paged cache.")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q: expected a torch.Tensor (total_q, nheads, headdim), got {type(q).__name__}.")
+        opts = _options(softmax_scale, softcap, deterministic, return_attn_probs, dropout_p, q.device)
+        result = paged_varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal=causal,
+            window=_window(window_size, causal, max_seqlen_k), alibi_slopes=alibi_slopes, softcap=opts["softcap"],
+            scale=opts["scale"], dropout_p=opts["dropout_p"], return_lse=opts["return_lse"],
+            implementation=opts["implementation"])
+        return _finish(result, return_attn_probs, q, to_blhd=False)
     _check_dims({"q": (q, 3), "k": (k, 3), "v": (v, 3)}, "(total, nheads, headdim)")
     opts = _options(softmax_scale, softcap, deterministic, return_attn_probs, dropout_p, q.device)
     result = flash_attention(q, k, v, causal=causal, causal_alignment="bottom_right",

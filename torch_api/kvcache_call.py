@@ -47,11 +47,10 @@ import torch
 
 from ..jax_core.base import DECODE_MAX_QUERY_LEN
 from .decode import run_decode
-from .flash import flash_attention
 from .kvcache_checks import KVCacheCall, check_kvcache_call
-from .launch import native_config
+from .padded_keys import attend_padded_keys
 from .rotary import apply_rotary
-from .validation import AttentionInputError, check_finite, finite_check_exempt
+from .validation import AttentionInputError, check_finite
 
 
 def kvcache_attention(
@@ -196,37 +195,15 @@ def _dense_caches(call: KVCacheCall, k_cache, v_cache):
 
 
 def _on_flash_kernels(call: KVCacheCall, q, k_cache, v_cache, ends, sinks, alibi_slopes, *, causal, softcap, scale):
-    """The varlen flash path. Sequence b's keys are rows [b * S + start, b * S + end) of the
-    flattened (B * S, Hk, D) cache; the stretch between two sequences' keys becomes a sequence
-    without queries, so the packed layout needs no copy of a contiguous cache."""
+    """The varlen flash path over (B, S, Hk, D) per-sequence caches (`padded_keys`): a contiguous
+    cache is read in place, without a copy."""
     kd, vd = _dense_caches(call, k_cache, v_cache)
     b, s, t = call.b, kd.shape[1], call.t
-    dev = q.device
     ends = ends.clamp(max=s)
-    starts = ends.new_zeros(b) if call.starts is None else torch.minimum(call.starts, ends)
-    window = None if call.window == (-1, -1) else call.window
-    native = native_config((1, call.hq, b * t, q.shape[3]), (1, call.hk, b * s, kd.shape[3]), vd.shape[3], q.dtype,
-                           q.device, None, causal=causal, bottom_right=True, window=window, softcap=softcap,
-                           sinks=sinks is not None, lse=True, scale=scale, varlen=(t, b * s),
-                           alibi=alibi_slopes is not None)
-    if native is None:
-        # The XLA formulation multiplies every key and value by its (zero) weight, so slots outside
-        # the valid regions must hold numbers: zeroed copies (that path reads the whole cache anyway).
-        j = torch.arange(s, device=dev)[None, :]
-        written = ((j >= starts[:, None]) & (j < ends[:, None]))[:, :, None, None]
-        kd, vd = (torch.where(written, x, torch.zeros((), dtype=x.dtype, device=dev)) for x in (kd, vd))
-    base = torch.arange(b, dtype=torch.int32, device=dev) * s
-    zero = torch.zeros(1, dtype=torch.int32, device=dev)
-    cu_k = torch.cat((zero, torch.stack((base + starts, base + ends), 1).flatten())).to(torch.int32)
-    q_ends = torch.arange(1, b + 1, dtype=torch.int32, device=dev) * t
-    cu_q = torch.cat((zero, torch.stack((q_ends - t, q_ends), 1).flatten()))
-    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # one row per packed sequence: gaps get zeros
-        alibi_slopes = torch.stack((torch.zeros_like(alibi_slopes), alibi_slopes), 1).flatten(0, 1)
-    with finite_check_exempt():  # q, k, v, sinks, slopes were checked: the cache's unused slots may hold anything
-        out = flash_attention(
-            q.reshape(b * t, call.hq, q.shape[3]), kd.reshape(b * s, call.hk, kd.shape[3]),
-            vd.reshape(b * s, call.hk, vd.shape[3]), causal=causal, causal_alignment="bottom_right",
-            window=window, softcap=softcap, sinks=sinks, cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k, max_seqlen_q=t, scale=scale, return_lse=True, alibi_slopes=alibi_slopes)
-    out, lse = out
+    starts = None if call.starts is None else torch.minimum(call.starts, ends)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
+    out, lse = attend_padded_keys(
+        q.reshape(b * t, call.hq, q.shape[3]), cu_q, t, kd, vd, starts, ends, zeroed=False, causal=causal,
+        window=None if call.window == (-1, -1) else call.window, softcap=softcap, scale=scale,
+        alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
     return out.view(b, t, call.hq, -1), lse.view(call.hq, b, t).permute(1, 0, 2)

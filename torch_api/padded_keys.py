@@ -1,0 +1,107 @@
+"""Packed queries against padded per-sequence keys, on `flash_attention`'s varlen path.
+
+A (N, S, Hk, D) key tensor whose sequence n holds the keys k[n, starts[n]:ends[n]] is read, with
+no copy, as packed (N * S, Hk, D) keys: sequence n's keys are rows [n * S + starts[n],
+n * S + ends[n]), and each stretch between two sequences' keys becomes an extra sequence without
+queries (it adds nothing to any output; its keys get zero gradients). The queries stay packed
+with their own cu_seqlens_q (N + 1,); each real sequence gets an empty query range in front.
+
+    keys (N=2, S=4):   [ . k k . | k k k . ]   starts (1, 0), ends (3, 3)
+    packed sequences:  gap | seq 0 | gap | seq 1      cu_k = [0, 1, 3, 4, 7]
+    queries:           none| cu_q[0]:cu_q[1] | none | cu_q[1]:cu_q[2]
+
+Users: `kvcache_attention` (caches with per-sequence valid regions) and `flash_attn_varlen_func`
+with a `block_table` (pages gathered into (N, max_pages * page_size, Hk, D) copies).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .flash import flash_attention
+from .launch import native_config
+from .selection import normalize_choice
+from .validation import finite_check_exempt
+
+
+def zero_outside(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """A copy of (N, S, ...) `x` with zeros outside each row's [starts[n], ends[n]) (gradients flow to
+    the kept slots only)."""
+    j = torch.arange(x.shape[1], device=x.device)[None, :]
+    keep = (j >= starts[:, None]) & (j < ends[:, None])
+    keep = keep.view(*keep.shape, *(1,) * (x.dim() - 2))
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def gap_boundaries(cu_seqlens_q: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                   stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_q, cu_k) of 2N + 1 int32 entries: before real sequence n a gap sequence whose keys run from
+    the end of sequence n - 1 to n * stride + starts[n] and which has no queries."""
+    n = starts.shape[0]
+    base = torch.arange(n, dtype=torch.int32, device=starts.device) * stride
+    zero = torch.zeros(1, dtype=torch.int32, device=starts.device)
+    cu_k = torch.cat((zero, torch.stack((base + starts, base + ends), 1).flatten().to(torch.int32)))
+    cu_q = cu_seqlens_q.to(torch.int32)
+    cu_q = torch.cat((cu_q[:1], torch.stack((cu_q[:-1], cu_q[1:]), 1).flatten()))
+    return cu_q, cu_k
+
+
+def attend_padded_keys(
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: Optional[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: Optional[torch.Tensor],
+    ends: torch.Tensor,
+    *,
+    zeroed: bool,
+    causal: bool,
+    window: Optional[tuple[int, int]],
+    softcap: Optional[float],
+    scale: Optional[float],
+    alibi_slopes: Optional[torch.Tensor],
+    sinks: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    implementation: Union[None, str, Sequence[str]] = None,
+):
+    """`flash_attention` (bottom-right alignment per sequence) of packed q (total_q, Hq, D) with
+    `cu_seqlens_q` (N + 1,) against k (N, S, Hk, D), v (N, S, Hk, Dv), sequence n's keys being
+    k[n, starts[n]:ends[n]] (int32 (N,) tensors with 0 <= starts <= ends <= S, not read on the host;
+    starts None: 0).
+
+    `zeroed`: k and v hold zeros (finite numbers) outside the valid regions. If not, and the XLA
+    path runs the call (its formulation multiplies every key and value by its zero weight), zeroed
+    copies are made; the native kernels never read those slots. Finiteness is the caller's to check:
+    slots outside the valid regions may hold anything.
+    alibi_slopes: (Hq,) or (N, Hq); the gap sequences get zero slopes.
+
+    Returns flash_attention's (total_q, Hq, Dv) output, with (Hq, total_q) LSE if `return_lse`.
+    """
+    n, s = k.shape[0], k.shape[1]
+    hq, hk = q.shape[1], k.shape[2]
+    # A gap runs from the end of one sequence to the start of the next: at most S keys when every
+    # sequence starts at 0, else at most 2 S. (max_seqlen_k bounds every packed sequence.)
+    max_seqlen_k = s if starts is None else 2 * s
+    if starts is None:
+        starts = torch.zeros_like(ends)
+    if not zeroed:
+        choice = None if implementation is None else normalize_choice(implementation)
+        native = native_config((1, hq, q.shape[0], q.shape[2]), (1, hk, n * s, k.shape[3]), v.shape[3], q.dtype,
+                               q.device, choice, causal=causal, bottom_right=True, window=window, softcap=softcap,
+                               sinks=sinks is not None, dropout_p=dropout_p, lse=return_lse, scale=scale,
+                               varlen=(max_seqlen_q or q.shape[0], max_seqlen_k), alibi=alibi_slopes is not None)
+        if native is None:
+            k, v = zero_outside(k, starts, ends), zero_outside(v, starts, ends)
+    cu_q, cu_k = gap_boundaries(cu_seqlens_q, starts, ends, s)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # one row per packed sequence: gaps get zeros
+        alibi_slopes = torch.stack((torch.zeros_like(alibi_slopes), alibi_slopes), 1).flatten(0, 1)
+    with finite_check_exempt():
+        return flash_attention(
+            q, k.reshape(n * s, hk, k.shape[3]), v.reshape(n * s, hk, v.shape[3]), causal=causal,
+            causal_alignment="bottom_right", window=window, softcap=softcap, sinks=sinks, cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, scale=scale,
+            return_lse=return_lse, implementation=implementation, alibi_slopes=alibi_slopes)
