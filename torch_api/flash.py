@@ -21,7 +21,8 @@ Varlen packing (flash-attn's layout): with `cu_seqlens_q` / `cu_seqlens_k` (N + 
 (total_q, Hq, E) and k/v are (total_k, Hk, E|Ev), holding N sequences back to back; sequence n has
 queries [cu_q[n], cu_q[n + 1]) and keys [cu_k[n], cu_k[n + 1]). Causality and windows use positions
 local to each sequence (bottom-right: offset len_k(n) - len_q(n)). Query rows from cu_q[N] on
-(padding) give 0 and LSE -inf.
+(padding) give 0 and LSE -inf. With `seqused_k` (N,), sequence n uses only the first seqused_k[n]
+keys of its range and len_k(n) is that used length (flash-attn's `seqused_k`; `seqused_keys`).
 
 ALiBi (`alibi_slopes`, flash-attn's convention): the logit of query i and key j gets
 -slope * |i + S - L - j|, a distance aligned bottom-right whatever the causal alignment (L=3, S=5:
@@ -45,7 +46,8 @@ from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
 from .native_flash import flash_forward
 from .selection import normalize_choice
-from .validation import AttentionInputError, check_finite, check_qkv, describe
+from .seqused_keys import check_seqused_k, used_key_packing, zero_unused
+from .validation import AttentionInputError, check_finite, check_qkv, describe, finite_check_reads
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -240,6 +242,7 @@ def flash_attention(
     return_lse: bool = False,
     implementation: Union[None, str, Sequence[str]] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
 ):
     """Attention with flash-attention features, differentiable and torch.compile-traceable.
 
@@ -287,6 +290,12 @@ def flash_attention(
             each sequence); the slope is per query head (GQA too). The slopes get no gradient.
             The LSE includes the bias as written; flash-attn's causal kernel adds slope * j instead
             (the same output and gradients, an LSE larger by slope * (i + S - L)).
+        seqused_k: (N,) int32 (or int64) tensor on q's device, only with cu_seqlens (flash-attn's
+            `seqused_k`): sequence n uses only the keys [cu_seqlens_k[n], cu_seqlens_k[n] +
+            seqused_k[n]); the rest of its range is ignored as if absent (causality, windows and
+            ALiBi align to the used length; those keys may hold anything and get zero gradients).
+            Values 0 <= seqused_k[n] <= the sequence's length are checked on CPU only. Read on the
+            device (no host sync); with dropout the pattern differs from a call without it.
 
     Returns:
         (B, Hq, L, Ev) output, or (total_q, Hq, Ev) with cu_seqlens; (output, lse) with `return_lse`.
@@ -304,7 +313,8 @@ def flash_attention(
                 *(cast(amp, kind, t) for t in (q, k, v)), causal=causal, causal_alignment=causal_alignment,
                 window=window, softcap=softcap, sinks=sinks, segment_ids=segment_ids, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
-                scale=scale, return_lse=return_lse, implementation=implementation, alibi_slopes=alibi_slopes)
+                scale=scale, return_lse=return_lse, implementation=implementation, alibi_slopes=alibi_slopes,
+                seqused_k=seqused_k)
     varlen = cu_seqlens_q is not None
     if varlen:
         _check_varlen_qkv(q, k, v)
@@ -316,7 +326,8 @@ def flash_attention(
         if q.dim() != 4:
             raise AttentionInputError(f"q: expected (B, Hq, L, E), got shape {tuple(q.shape)}.")
         check_same_batch(q, k)
-        for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
+                            ("seqused_k", seqused_k)):
             if value is not None:
                 shown = describe(value) if isinstance(value, torch.Tensor) else repr(value)
                 raise AttentionInputError(f"{name} ({shown}): only used with cu_seqlens_q (the varlen layout); pass "
@@ -335,8 +346,14 @@ def flash_attention(
                       _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0]))
     if varlen:
         _check_cu_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], (max_seqlen_q, max_seqlen_k), max_seqlen)
+    if seqused_k is not None:  # the same call on 2N packed sequences: used keys, and unused ones as gaps
+        check_seqused_k(seqused_k, cu_seqlens_k, q)
+        cu_seqlens_q, cu_seqlens_k, alibi_slopes = used_key_packing(cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                                                    alibi_slopes)
     choice = normalize_choice(implementation) if implementation is not None else None
-    check_finite({"q": q, "k": k, "v": v, "sinks": sinks, "alibi_slopes": alibi_slopes})
+    # unused keys may hold anything: they are checked (and, for the XLA path, zeroed) below
+    check_finite({"q": q, "k": k if seqused_k is None else None, "v": v if seqused_k is None else None,
+                  "sinks": sinks, "alibi_slopes": alibi_slopes})
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=q.device)
@@ -348,6 +365,11 @@ def flash_attention(
                            segments=q_ids is not None,
                            varlen=(max_seqlen or (q.shape[0], k.shape[0])) if varlen else None,
                            alibi=alibi_slopes is not None)
+    if seqused_k is not None and (native is None or finite_check_reads(k)):
+        used_k, used_v = zero_unused(k, cu_seqlens_k), zero_unused(v, cu_seqlens_k)
+        check_finite({"k": used_k, "v": used_v})
+        if native is None:
+            k, v = used_k, used_v
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach()  # no gradient, as flash-attn
     if native is not None:

@@ -4,6 +4,7 @@ k / v are page pools (num_blocks, page_block_size, Hk, D); row n of block_table 
 lists sequence n's pages in order, and its keys are the first cu_seqlens_k[n + 1] - cu_seqlens_k[n]
 positions of those pages (position j: slot j % page_block_size of page block_table[n, j //
 page_block_size]). Table entries past a sequence's last page are never read and may hold anything.
+With `seqused_k` (N,), sequence n's keys are only its first seqused_k[n] positions.
 
 How it runs: the pages each table row names are gathered into (N, max_num_blocks *
 page_block_size, Hk, D) copies (one indexing op, so the pool's gradient is the sum over the
@@ -21,6 +22,7 @@ import torch
 from .decode import _check_pages
 from .flash import _check_alibi, _check_cu_seqlens, _check_cu_values, _max_seqlen
 from .padded_keys import attend_padded_keys, zero_outside
+from .seqused_keys import check_seqused_k
 from .validation import AttentionInputError, check_finite, describe
 
 _POOL = "(num_blocks, page_block_size, nheads_k, headdim)"
@@ -94,11 +96,13 @@ def paged_varlen_attention(
     dropout_p: float,
     return_lse: bool,
     implementation: Union[None, str, Sequence[str]],
+    seqused_k: Optional[torch.Tensor] = None,
 ):
     """Packed q (total_q, Hq, D) with cu_seqlens_q against the paged k (P, PS, Hk, D) / v (P, PS, Hk,
     Dv) through block_table (N, max_pages) (module docstring); `flash_attention`'s keyword options,
     alignment bottom-right per sequence. Returns (total_q, Hq, Dv), with (Hq, total_q) LSE if
-    `return_lse`. Differentiable in q, k and v."""
+    `return_lse`. Differentiable in q, k and v. `seqused_k` (N,): sequence n's keys are only the first
+    seqused_k[n] positions of its pages (`seqused_keys`)."""
     _check_pools(q, k, v)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     num_seqs = cu_seqlens_k.numel() - 1
@@ -113,7 +117,11 @@ def paged_varlen_attention(
         bounds = (_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0]),
                   _max_seqlen("max_seqlen_k", max_seqlen_k, capacity))
     _check_cu_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], num_seqs * capacity, (max_seqlen_q, max_seqlen_k), bounds)
-    _check_pages(block_table, lengths, None, page_size, num_pages, "the sequence's length (cu_seqlens_k)", "k")
+    used = "the sequence's length (cu_seqlens_k)"
+    if seqused_k is not None:  # fewer keys than cu_seqlens_k gives: only their pages are read
+        check_seqused_k(seqused_k, cu_seqlens_k, q)
+        lengths, used = seqused_k.to(torch.int32), "the sequence's used length (seqused_k)"
+    _check_pages(block_table, lengths, None, page_size, num_pages, used, "k")
     # Unchecked on CUDA: clamping keeps the gather in bounds whatever the lengths and the table hold
     # (entries past a sequence's last page may be anything).
     lengths = lengths.clamp(0, capacity)

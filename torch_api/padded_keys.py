@@ -3,7 +3,7 @@
 A (N, S, Hk, D) key tensor whose sequence n holds the keys k[n, starts[n]:ends[n]] is read, with
 no copy, as packed (N * S, Hk, D) keys: sequence n's keys are rows [n * S + starts[n],
 n * S + ends[n]), and each stretch between two sequences' keys becomes an extra sequence without
-queries (it adds nothing to any output; its keys get zero gradients). The queries stay packed
+queries (`key_gaps`' layout: it adds nothing to any output; its keys get zero gradients). The queries stay packed
 with their own cu_seqlens_q (N + 1,); each real sequence gets an empty query range in front.
 
     keys (N=2, S=4):   [ . k k . | k k k . ]   starts (1, 0), ends (3, 3)
@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .flash import flash_attention
+from .key_gaps import gap_alibi, gap_boundaries
 from .launch import native_config
 from .selection import normalize_choice
 from .validation import finite_check_exempt
@@ -33,19 +34,6 @@ def zero_outside(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> t
     keep = (j >= starts[:, None]) & (j < ends[:, None])
     keep = keep.view(*keep.shape, *(1,) * (x.dim() - 2))
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def gap_boundaries(cu_seqlens_q: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                   stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cu_q, cu_k) of 2N + 1 int32 entries: before real sequence n a gap sequence whose keys run from
-    the end of sequence n - 1 to n * stride + starts[n] and which has no queries."""
-    n = starts.shape[0]
-    base = torch.arange(n, dtype=torch.int32, device=starts.device) * stride
-    zero = torch.zeros(1, dtype=torch.int32, device=starts.device)
-    cu_k = torch.cat((zero, torch.stack((base + starts, base + ends), 1).flatten().to(torch.int32)))
-    cu_q = cu_seqlens_q.to(torch.int32)
-    cu_q = torch.cat((cu_q[:1], torch.stack((cu_q[:-1], cu_q[1:]), 1).flatten()))
-    return cu_q, cu_k
 
 
 def attend_padded_keys(
@@ -96,9 +84,9 @@ def attend_padded_keys(
                                varlen=(max_seqlen_q or q.shape[0], max_seqlen_k), alibi=alibi_slopes is not None)
         if native is None:
             k, v = zero_outside(k, starts, ends), zero_outside(v, starts, ends)
-    cu_q, cu_k = gap_boundaries(cu_seqlens_q, starts, ends, s)
-    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # one row per packed sequence: gaps get zeros
-        alibi_slopes = torch.stack((torch.zeros_like(alibi_slopes), alibi_slopes), 1).flatten(0, 1)
+    base = torch.arange(n, dtype=ends.dtype, device=ends.device) * s  # row of k[n, 0] in the packed keys
+    cu_q, cu_k = gap_boundaries(cu_seqlens_q, base + starts, base + ends)
+    alibi_slopes = gap_alibi(alibi_slopes)  # one row per packed sequence: gaps get zeros
     with finite_check_exempt():
         return flash_attention(
             q, k.reshape(n * s, hk, k.shape[3]), v.reshape(n * s, hk, v.shape[3]), causal=causal,

@@ -190,6 +190,14 @@ def finite_check_applies(device: torch.device) -> bool:
 _NAN_ONLY = ("attn_mask", "sinks")
 
 
+def finite_check_reads(t: torch.Tensor) -> bool:
+    """Whether `check_finite` would read `t` now (lets a caller skip building a tensor only for it)."""
+    mode = _finite_check[0]
+    if mode == "off" or _exempt.active or torch.compiler.is_compiling() or recorded():
+        return False
+    return mode == "always" or t.device.type == "cpu"
+
+
 def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
     """Raises on NaN/inf in query/key/value (and NaN in a float mask), as `set_finite_check` allows.
 
