@@ -205,10 +205,12 @@ def _bad_call(seqused_k, **kw):
 
 @pytest.mark.parametrize("seqused_k,kw,error,pattern", [
     ([11, 0, 5, 16, 9], {}, TypeError, r"^seqused_k: expected a 1-D int32 tensor of N=5 used key lengths"),
-    (torch.tensor(USED, dtype=torch.float32), {}, AttentionInputError, r"^seqused_k: got shape \(5,\), dtype torch.float32"),
+    (torch.tensor(USED, dtype=torch.float32), {}, AttentionInputError,
+     r"^seqused_k: got shape \(5,\), dtype torch.float32"),
     (torch.tensor(USED + [0], dtype=torch.int32), {}, AttentionInputError, r"^seqused_k: got shape \(6,\)"),
     (torch.tensor([USED], dtype=torch.int32), {}, AttentionInputError, r"^seqused_k: got shape \(1, 5\)"),
-    (torch.tensor(USED, dtype=torch.int32, device="meta"), {}, AttentionInputError, r"^seqused_k: on meta but q is on cpu"),
+    (torch.tensor(USED, dtype=torch.int32, device="meta"), {}, AttentionInputError,
+     r"^seqused_k: on meta but q is on cpu"),
     (torch.tensor([11, -1, 5, 16, 9], dtype=torch.int32), {}, AttentionInputError,
      r"^seqused_k: values \[11, -1, 5, 16, 9\], but sequence 1 uses -1 keys where cu_seqlens_k gives it 7"),
     (torch.tensor([11, 0, 6, 16, 9], dtype=torch.int32), {}, AttentionInputError,

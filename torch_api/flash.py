@@ -326,8 +326,8 @@ def flash_attention(
         if q.dim() != 4:
             raise AttentionInputError(f"q: expected (B, Hq, L, E), got shape {tuple(q.shape)}.")
         check_same_batch(q, k)
-        for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
-                            ("seqused_k", seqused_k)):
+        for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q),
+                            ("max_seqlen_k", max_seqlen_k), ("seqused_k", seqused_k)):
             if value is not None:
                 shown = describe(value) if isinstance(value, torch.Tensor) else repr(value)
                 raise AttentionInputError(f"{name} ({shown}): only used with cu_seqlens_q (the varlen layout); pass "
