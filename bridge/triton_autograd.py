@@ -42,6 +42,13 @@ def _json(value: Any) -> str:
     """
     if value is None:
         return "null"
+    if torch.compiler.is_compiling() and isinstance(value, (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        # torch.compile(dynamic=True) makes sizes and floats symbolic (and answers isinstance as for
+        # the plain type while it traces); a spec field is a setting the kernels are planned for, so
+        # the compiled graph is guarded on its value instead.
+        from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+        value = guard_scalar(value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

@@ -4,6 +4,8 @@ many lengths (L and S varying apart), `fullgraph=True`, outputs and gradients ag
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 import torch
@@ -113,3 +115,34 @@ def test_an_output_size_that_is_no_input_size_is_refused_by_name():
     static = torch.compile(lambda a, b: _concat(a, b), backend="aot_eager", dynamic=False, fullgraph=True)
     x, y = torch.randn(5, 3), torch.randn(7, 3)
     torch.testing.assert_close(static(x, y), torch.cat([x, y]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Factor:
+    factor: float
+    num_inputs: int = 1
+
+
+def test_triton_op_settings_from_symbolic_sizes_are_guarded():
+    """A Triton op's settings (its spec) may be computed from sizes, which torch.compile(dynamic=True)
+    makes symbolic (a default softmax scale from the head dim, a diagonal offset S - L): the graph is
+    guarded on their values, so each value gets its own correct graph instead of a tracing error.
+    Plain torch bodies: the spec route is tested, not kernels (those run on the GPU)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from jaxattn.bridge.triton_autograd import TritonOp
+
+    op = TritonOp("jaxattn_test::scaled_by_size", lambda spec, x: (x * spec.factor,),
+                  lambda spec, inputs, outputs, grads, needs: [grads[0] * spec.factor],
+                  num_outputs=1, spec_types=[_Factor])
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x: op(_Factor(x.shape[0] ** -0.5), x)[0], fullgraph=True, dynamic=True,
+                             backend=counter)
+    for n in (4, 9, 4, 16):
+        x = torch.randn(n, requires_grad=True)
+        y = compiled(x)
+        y.sum().backward()
+        torch.testing.assert_close(y, x.detach() * n ** -0.5)
+        torch.testing.assert_close(x.grad, torch.full((n,), n ** -0.5))
+    assert counter.frame_count == 3, counter.frame_count  # one graph per distinct setting value
