@@ -3,7 +3,7 @@
 Under dynamic shapes the custom op's fake implementation sees sizes that are `torch.SymInt`s, and
 must answer with output sizes expressed in them: a size read as an int would be specialised to the
 example's value, and every new length would compile a new graph. JAX cannot trace a function at
-symbolic sizes in general (attention code compares lengths and takes `head_dim ** -0.5`), so the
+symbolic sizes in general (functions compare sizes and compute floats from them), so the
 function is traced, shapes only, at two concrete points instead: every symbol at its example
 value, then every symbol at twice that. Scaling all symbols alike keeps the relations torch
 already guarded between them (equal dims, a head count that divides another). An output dim that

@@ -32,9 +32,8 @@ from ..bridge import jax_op
 from ..jax_core import calls
 from ..jax_core.base import DECODE_MAX_QUERY_LEN
 from . import native_decode
-from .validation import AttentionInputError, check_finite, describe
+from .validation import AttentionInputError, check_finite, describe, index_tensor
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -87,14 +86,6 @@ def _cache_shape(name: str, cache_layout: str, paged: bool) -> str:
     return f"(B, S_max, Hkv, {d})" if cache_layout == "BSHD" else f"(B, Hkv, S_max, {d})"
 
 
-def _index_tensor(name: str, t, shape: tuple, what: str, device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES or tuple(t.shape) != shape:
-        raise AttentionInputError(f"{name}: expected an int32 tensor of shape {what} = {shape}, got {describe(t)}.")
-    if t.device != device:
-        raise AttentionInputError(f"{name}: on {t.device} but q is on {device} (move it with .to(q.device)).")
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
-
-
 def _check_values(lengths, starts, capacity: int) -> None:
     """Range checks of the lengths on CPU tensors (on CUDA they would cost a host sync)."""
     if lengths.device.type != "cpu":
@@ -106,7 +97,7 @@ def _check_values(lengths, starts, capacity: int) -> None:
         raise AttentionInputError(f"cache_starts: values {starts.tolist()} must be >= 0.")
 
 
-def _check_pages(block_table, lengths, starts, page_size: int, num_pages: int,
+def check_pages(block_table, lengths, starts, page_size: int, num_pages: int,
                  lengths_name: str = "cache_seqlens", pool_name: str = "k_cache") -> None:
     """On CPU: the block_table entries that hold positions in [cache_starts, lengths) name real pages
     (`lengths_name`, `pool_name`: the caller's names of the lengths and the pages, for the message)."""
@@ -189,13 +180,13 @@ def decode_attention(
         raise AttentionInputError(f"cache_layout={cache_layout!r} with block_table: paged caches are "
                                   "(num_pages, page_size, Hkv, D); drop cache_layout.")
     b, hq, _, _ = _check_tensors(q, k_cache, v_cache, cache_layout, paged)
-    lengths = _index_tensor("cache_seqlens", cache_seqlens, (b,), "(B,)", q.device)
-    starts = None if cache_starts is None else _index_tensor("cache_starts", cache_starts, (b,), "(B,)", q.device)
+    lengths = index_tensor("cache_seqlens", cache_seqlens, (b,), "(B,)", q.device)
+    starts = None if cache_starts is None else index_tensor("cache_starts", cache_starts, (b,), "(B,)", q.device)
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
             raise AttentionInputError(f"block_table: expected an int32 tensor of shape (B, max_pages) with B={b}, "
                                       f"got {describe(block_table)}.")
-        block_table = _index_tensor("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", q.device)
+        block_table = index_tensor("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[2 if cache_layout == "BHSD" else 1]
@@ -220,7 +211,7 @@ def decode_attention(
         raise TypeError(f"return_lse={return_lse!r}: expected a bool.")
     _check_values(lengths, starts, capacity)
     if paged:
-        _check_pages(block_table, lengths, starts, k_cache.shape[1], k_cache.shape[0])
+        check_pages(block_table, lengths, starts, k_cache.shape[1], k_cache.shape[0])
     check_finite({"q": q, "sinks": sinks})
     return run_decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, causal=True,
                       window=(-1 if window is None else window, -1), softcap=softcap, scale=scale,

@@ -16,8 +16,8 @@ Functions (flash-attn's names, argument names, defaults, layouts and return valu
                                                          new queries against a KV cache (append, rotary,
                                                          paged; `flash_attn_kvcache`)
 
-Each one translates its arguments for `jaxattn.torch_api.flash_attention` (so both launchers and the
-XLA path serve it) and nothing more. The conventions, as flash-attn documents them:
+Each one translates its arguments for `jaxattn.torch_api.flash_attention` (which chooses how the
+call runs) and nothing more. The conventions, as flash-attn documents them:
 
 * GQA / MQA: Hq must be a multiple of Hk; query head h uses key/value head h // (Hq // Hk).
 * causal=True is aligned to the bottom-right corner: query i sees keys j <= i + S - L (L=2, S=5:

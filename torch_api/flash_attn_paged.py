@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .decode import _check_pages
+from .decode import check_pages
 from .flash import _check_alibi, _check_cu_seqlens, _check_cu_values, _max_seqlen
 from .padded_keys import attend_padded_keys, zero_outside
 from .seqused_keys import check_seqused_k
@@ -121,7 +121,7 @@ def paged_varlen_attention(
     if seqused_k is not None:  # fewer keys than cu_seqlens_k gives: only their pages are read
         check_seqused_k(seqused_k, cu_seqlens_k, q)
         lengths, used = seqused_k.to(torch.int32), "the sequence's used length (seqused_k)"
-    _check_pages(block_table, lengths, None, page_size, num_pages, used, "k")
+    check_pages(block_table, lengths, None, page_size, num_pages, used, "k")
     # Unchecked on CUDA: clamping keeps the gather in bounds whatever the lengths and the table hold
     # (entries past a sequence's last page may be anything).
     lengths = lengths.clamp(0, capacity)

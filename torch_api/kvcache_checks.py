@@ -12,11 +12,10 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from .decode import _check_pages
-from .validation import AttentionInputError, describe
+from .decode import check_pages
+from .validation import AttentionInputError, describe, index_tensor
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 class KVCacheCall(NamedTuple):
@@ -48,14 +47,6 @@ def _float_4d(name: str, t, want: str, q: Optional[torch.Tensor]) -> None:
     if q is not None and (t.dtype != q.dtype or t.device != q.device):
         raise AttentionInputError(f"{name}: {t.dtype} on {t.device}, but q is {q.dtype} on {q.device}; expected "
                                   f"q's dtype and device (e.g. {name}.to(q)).")
-
-
-def _index(name: str, t, shape: tuple, want: str, device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES or tuple(t.shape) != shape:
-        raise AttentionInputError(f"{name}: expected an int32 tensor of shape {want} = {shape}, got {describe(t)}.")
-    if t.device != device:
-        raise AttentionInputError(f"{name}: on {t.device} but q is on {device} (move it with .to(q.device)).")
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
 def _window(window) -> tuple[int, int]:
@@ -165,7 +156,7 @@ def _values(call: KVCacheCall, rows: int, num_pages: int, page_size: int) -> Non
         raise AttentionInputError(f"cache_batch_idx: values {call.batch_idx.tolist()} must be rows of k_cache, in "
                                   f"[0, {rows - 1}].")
     if call.paged:
-        _check_pages(call.block_table, lengths + call.t_new, call.starts, page_size, num_pages)
+        check_pages(call.block_table, lengths + call.t_new, call.starts, page_size, num_pages)
 
 
 def check_kvcache_call(q, k_cache, v_cache, cache_seqlens: Union[int, torch.Tensor], *, k, v, block_table,
@@ -193,19 +184,19 @@ def check_kvcache_call(q, k_cache, v_cache, cache_seqlens: Union[int, torch.Tens
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
             raise AttentionInputError(f"block_table: expected an int32 tensor (B, max_pages) with B={b}, got "
                                       f"{describe(block_table)}.")
-        block_table = _index("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", q.device)
+        block_table = index_tensor("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
         if cache_batch_idx is None and k_cache.shape[0] != b:
             raise AttentionInputError(f"k_cache: {k_cache.shape[0]} cache rows but q has batch {b} ({shapes}); "
                                       "expected equal, or pass cache_batch_idx (B,) naming each sequence's row.")
-    batch_idx = None if cache_batch_idx is None else _index("cache_batch_idx", cache_batch_idx, (b,), "(B,)", q.device)
+    batch_idx = None if cache_batch_idx is None else index_tensor("cache_batch_idx", cache_batch_idx, (b,), "(B,)", q.device)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         lengths = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
-        lengths = _index("cache_seqlens", cache_seqlens, (b,), "(B,)", q.device)
-    starts = None if cache_starts is None else _index("cache_starts", cache_starts, (b,), "(B,)", q.device)
+        lengths = index_tensor("cache_seqlens", cache_seqlens, (b,), "(B,)", q.device)
+    starts = None if cache_starts is None else index_tensor("cache_starts", cache_starts, (b,), "(B,)", q.device)
     t_new = _new_kv(k, v, q, b, hk, d, dv)
     _rotary(rotary_cos, rotary_sin, q, k, d, capacity)
     _scalars(softcap, scale)

@@ -181,18 +181,20 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
         alibi: the call has ALiBi slopes.
         Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
     """
-    # Under torch.jit.trace a tensor's sizes come as 0-d tensors: the settings take ints (and symbolic
-    # sizes under torch.compile(dynamic=True) stay symbolic).
-    if any(isinstance(n, torch.Tensor) for n in (*q_shape, *k_shape, value_head_dim)):
-        q_shape, k_shape, value_head_dim = tuple(map(int, q_shape)), tuple(map(int, k_shape)), int(value_head_dim)
-    # Symbolic sizes (torch.compile(dynamic=True)) are not hashable: no memo for such calls.
-    symbolic = any(isinstance(n, torch.SymInt) for n in (*q_shape, *k_shape, value_head_dim))
+    symbolic = False
+    sizes = (*q_shape, *k_shape, value_head_dim)
+    if not all(type(n) is int for n in sizes):
+        # Under torch.jit.trace a tensor's sizes come as 0-d tensors: the settings take ints. Symbolic
+        # sizes (torch.compile(dynamic=True)) stay symbolic, but are not hashable: no memo for them.
+        if any(isinstance(n, torch.Tensor) for n in sizes):
+            q_shape, k_shape, value_head_dim = tuple(map(int, q_shape)), tuple(map(int, k_shape)), int(value_head_dim)
+        symbolic = any(isinstance(n, torch.SymInt) for n in (*q_shape, *k_shape, value_head_dim))
     l, s = q_shape[2], k_shape[2]
     # A decoding call's settings do not depend on its key length (a new one each step of a
     # growing cache): memoized without it.
     memo = None
-    if (not symbolic and l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments and varlen is None and not alibi
-            and not torch._C._are_functorch_transforms_active()):
+    if (not symbolic and l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments
+            and varlen is None and not alibi and not torch._C._are_functorch_transforms_active()):
         memo = (tuple(q_shape), tuple(k_shape[:2]), k_shape[3], value_head_dim, dtype, device, choice,
                 current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, causal, window, softcap, sinks, mask,
                 dropout_p, lse, scale)

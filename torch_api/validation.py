@@ -236,3 +236,13 @@ def check_finite(tensors: dict[str, Optional[torch.Tensor]]) -> None:
                 f"{name}: contains {what} values at {int(bad.sum())} position(s) "
                 "(check the producer of this tensor; jaxattn.torch_api.set_finite_check('off') disables this check)."
             )
+
+
+def index_tensor(name: str, t, shape: tuple, what: str, device) -> torch.Tensor:
+    """An int32 (or int64, converted) index tensor of exactly `shape` on `device` (lengths, starts,
+    batch indices of a cache call); `what` spells the shape for the message, e.g. "(B,)"."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != shape:
+        raise AttentionInputError(f"{name}: expected an int32 tensor of shape {what} = {shape}, got {describe(t)}.")
+    if t.device != device:
+        raise AttentionInputError(f"{name}: on {t.device} but q is on {device} (move it with .to(q.device)).")
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
