@@ -97,7 +97,8 @@ class KernelLaunch:
     def __init__(self, kernel, grid: Sequence[int], num_warps: int, num_stages: int, tensors: Sequence[str],
                  scalars: dict[str, Any], fixed: Optional[dict[str, torch.Tensor]] = None):
         self.kernel = kernel
-        self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        # Symbolic sizes (torch.compile with dynamic shapes) stay symbolic: the graph computes the grid.
+        self.grid = tuple(g if isinstance(g, torch.SymInt) else int(g) for g in grid) + (1,) * (3 - len(grid))
         self.num_warps, self.num_stages = int(num_warps), int(num_stages)
         self.tensors = tuple(tensors)
         self.scalars = scalars

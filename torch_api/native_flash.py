@@ -12,6 +12,7 @@ Shape legend: B batch, Hq / Hk query / KV heads, L query length, S key length, D
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -58,10 +59,16 @@ class NativeFlashSpec:
         return cached_hash(self, self.cfg, self.num_inputs)
 
 
+def _symbolic(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a size of these tensors is symbolic (torch.compile with dynamic shapes)."""
+    return any(isinstance(n, torch.SymInt) for t in tensors if t is not None for n in t.shape)
+
+
 def _operand(t: torch.Tensor) -> Operand:
-    """A (B, H, T, D)-ordered tensor's sizes and strides, stride 0 on size-1 dims (symbolic sizes of a
-    traced call become ints: the kernels are specialised to them)."""
-    if traced():
+    """A (B, H, T, D)-ordered tensor's sizes and strides, stride 0 on size-1 dims. In a traced call
+    concrete sizes become ints (the static entries are specialised to them); symbolic ones stay
+    symbolic (the dynamic entries take them at run time)."""
+    if traced() and not _symbolic(t):
         shape, stride = tuple(int(n) for n in t.shape), tuple(int(st) for st in t.stride())
     else:
         shape, stride = tuple(t.shape), t.stride()
@@ -107,13 +114,17 @@ _FOLLOWS_KEYS: dict = {}
 DYNAMIC_MAX_QUERIES = 16
 
 
-def _entries(q_len: int) -> dict:
-    return _ENTRIES["dynamic" if q_len <= DYNAMIC_MAX_QUERIES else "static"]
+def _entries(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """Symbolic sizes (one compiled graph for many lengths) take the dynamic entries too: the static
+    ones need every size as a compile-time constant."""
+    if _symbolic(q, k):
+        return _ENTRIES["dynamic"]
+    return _ENTRIES["dynamic" if q.shape[2] <= DYNAMIC_MAX_QUERIES else "static"]
 
 
 def _out_strides(q: torch.Tensor, dv: int) -> tuple[int, int, int, int]:
     """Strides of Out, a (B, Hq, L, Dv) view of (B, L, Hq, Dv) memory (`_out_buffer`), 0 on size-1 dims."""
-    b, hq, l, _ = (int(n) for n in q.shape)
+    b, hq, l, _ = q.shape if _symbolic(q) else (int(n) for n in q.shape)
     full = (l * hq * dv, dv, hq * dv, 1)
     return tuple(0 if n == 1 else st for n, st in zip((b, hq, l, dv), full))
 
@@ -125,7 +136,7 @@ def _launches(spec: NativeFlashSpec, q, k, v, bias, mask, sinks, seed, do_stride
     packed: (q_ids (B, L), kv_ids (B, S), cu_q (N + 1,), cu_k (N + 1,)), None where absent.
     alibi: None or float32 (Hq,) / (B, Hq) ALiBi slopes.
     """
-    entries = _entries(q.shape[2])
+    entries = _entries(q, k)
     if traced():  # symbolic sizes are not hashable, and a traced call plans once anyway
         return _plan_launches(spec, entries, q, k, v, bias, mask, sinks, seed, do_strides, write_ds, packed, alibi)
     key = (spec, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(), _key(bias),
@@ -196,7 +207,8 @@ def _plan_launches(spec: NativeFlashSpec, entries: dict, q, k, v, bias, mask, si
     if do_strides is None:
         return dict(skip=skip, segments=segments, fwd=launch(entries["fwd"], plan.forward_launch(call, cfg, out_strides,
                                                                              skip and skip["fwd"][1]), _FWD_TENSORS))
-    do_strides = tuple(0 if n == 1 else int(st) for n, st in zip((b, hq, l, dv), do_strides))
+    do_strides = tuple(0 if n == 1 else st if isinstance(st, torch.SymInt) else int(st)
+                       for n, st in zip((b, hq, l, dv), do_strides))
     # Gradients have the layouts of `torch.empty_like` of q, k, v (those of the inputs when dense).
     dq_strides, dk_strides, dv_strides = (_operand(torch.empty_like(t, device="meta")).strides for t in (q, k, v))
     return dict(
@@ -236,8 +248,16 @@ def _skip_plans(call: plan.FlashCall, cfg: FlashConfig, entries: dict) -> Option
                                               call.mask.strides if call.mask is not None else None,
                                               call.bias.strides if call.bias is not None else None)
         launch = KernelLaunch(entries["skip"], grid, warps, 1, ("Mask", "Bias", "Table"), args)
-        plans[name] = (shape, plan.contiguous_strides(shape), launch)
+        plans[name] = (shape, _table_strides(shape), launch)
     return plans
+
+
+def _table_strides(shape: tuple) -> tuple:
+    """Strides of a contiguous skip table, 0 on its broadcast (size-1) batch and head dims. Its rows
+    keep their stride even when there is one: under torch.compile with symbolic lengths, a stride
+    that depends on whether a length fits one block would compile a second graph for short ones."""
+    tb, th, rows, cols = shape
+    return (0 if tb == 1 else th * rows * cols, 0 if th == 1 else rows * cols, cols, 1)
 
 
 def _skip_table(skip: Optional[dict], name: str, bias, mask, device) -> Optional[torch.Tensor]:
@@ -245,7 +265,9 @@ def _skip_table(skip: Optional[dict], name: str, bias, mask, device) -> Optional
     if skip is None:
         return None
     shape, _, launch = skip[name]
-    table = torch.empty(shape, dtype=torch.int32, device=device)
+    # Flat: the kernels address it through the planned strides, and a 4-D tensor with a row dim
+    # that is 1 for short lengths would make torch.compile guard on that (a second graph).
+    table = torch.empty((math.prod(shape),), dtype=torch.int32, device=device)
     launch(optional(mask, torch.int8, device), optional(bias, torch.float32, device), table)
     return table
 
@@ -422,7 +444,7 @@ class NativeFlash(PlannedCall):
         if (bias is None and mask is None and seed is None and not traced() and forward_ad._current_level < 0
                 and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
                 and not recorded()):
-            kernel = _entries(q.shape[2])["fwd"]
+            kernel = _entries(q, k)["fwd"]
             if self._kernel is not kernel:
                 self._launches = _launches(self.spec, q, k, v, None, None, None, None)
                 self._kernel = kernel
