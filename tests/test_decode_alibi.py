@@ -192,6 +192,19 @@ def test_attention_interface_aligns_alibi_bottom_right(kernel_md):
     _assert_close(from_bthd(got.attention_outputs), _t(got.lse), want, want_lse, 2e-5)
 
 
+def test_decode_declares_alibi_for_automatic_selection():
+    """ALiBi is a feature of decode's own kernels on every platform (not a bias, which it lacks)."""
+    from jaxattn.jax_core import AttentionInputs, AttentionRegistry
+
+    decode = AttentionRegistry.get("decode")
+    for platform in ("cpu", "tpu"):
+        inputs = AttentionInputs(batch=2, q_len=1, kv_len=512, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                 value_head_dim=64, dtype="float32", platform=platform, backend=platform,
+                                 features=frozenset({"gqa", "alibi"}))
+        assert decode.takes_alibi_slopes(inputs)
+        assert decode.not_supported_reasons(inputs) == []
+
+
 # --- the Triton kernels: jax-triton launcher (the interpreter stand-in on CPU) ------------------------
 
 # (layout, GQA ratio, T, causal, window, (B, Hq) slopes, softcap, sinks)
