@@ -170,6 +170,25 @@ def test_gradients_follow_the_reference_and_skip_the_slopes():
         assert (got.grad.double() - r.grad).abs().max().item() < 1e-5
 
 
+def test_kv_cache_attend_passes_the_slopes():
+    """KVCache.attend after a prefill with left padding and one appended token."""
+    from jaxattn.torch_api import KVCache
+
+    gen = torch.Generator().manual_seed(23)
+    cache = KVCache.paged(2, 32, HKV, D, page_size=8)
+    cache.set_starts([0, 4])
+    keys, values = (torch.randn(2, HKV, 12, D, generator=gen) for _ in "kv")
+    cache.append(keys[:, :, :11], values[:, :, :11])
+    cache.append(keys[:, :, 11:], values[:, :, 11:])
+    q = torch.randn(2, 4, 2, D, generator=gen)
+    slopes = 0.1 + torch.rand(2, 4, generator=gen)
+    out = cache.attend(q, window=7, alibi_slopes=slopes)
+    lengths = torch.full((2,), 12, dtype=torch.int32)
+    want, _ = decode_reference(q.double(), keys.transpose(1, 2), values.transpose(1, 2), lengths, cache.starts,
+                               window=7, bias=decode_alibi(slopes, lengths, 2, 12))
+    assert (out.double() - want).abs().max().item() < 2e-6
+
+
 # --- the generic interface: the whole key array is the cache ----------------------------------------
 
 
