@@ -101,31 +101,32 @@ def flash_with_lse(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_s
                   implementation=implementation, platform=platform)
 
 
-def _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
-            kernel, platform, return_lse, causal):
+def _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, alibi_slopes, *, window, softcap, scale,
+            cache_layout, kernel, platform, return_lse, causal):
     out = decode_attention(
         q, k_cache, v_cache, lengths, starts=starts, block_table=block_table, sliding_window=window,
         logits_soft_cap=softcap, softmax_aux=sinks, cache_layout=cache_layout, query_layout="BHTD", kernel=kernel,
         return_lse=return_lse, metadata=AttentionMetadata(softmax_scale=scale, platform=platform), causal=causal,
+        alibi_slopes=alibi_slopes,
     )
     return (out.attention_outputs, out.lse) if return_lse else out.attention_outputs
 
 
-def decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout, kernel,
-           platform, causal=True):
+def decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, alibi_slopes=None, *, window, softcap, scale,
+           cache_layout, kernel, platform, causal=True):
     """(B, Hq, T, D) queries against a KV cache -> (B, Hq, T, Dv); causal=False: every query sees
-    the whole valid region."""
-    return _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
-                   scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=False,
-                   causal=causal)
+    the whole valid region; ALiBi slopes (Hq,) or (B, Hq) float32 or None."""
+    return _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, alibi_slopes, window=window,
+                   softcap=softcap, scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform,
+                   return_lse=False, causal=causal)
 
 
-def decode_with_lse(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, window, softcap, scale, cache_layout,
-                    kernel, platform, causal=True):
+def decode_with_lse(q, k_cache, v_cache, lengths, starts, block_table, sinks, alibi_slopes=None, *, window, softcap,
+                    scale, cache_layout, kernel, platform, causal=True):
     """`decode` and the (B, Hq, T) float32 log-sum-exp."""
-    return _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, window=window, softcap=softcap,
-                   scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform, return_lse=True,
-                   causal=causal)
+    return _decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, alibi_slopes, window=window,
+                   softcap=softcap, scale=scale, cache_layout=cache_layout, kernel=kernel, platform=platform,
+                   return_lse=True, causal=causal)
 
 
 def _swap(x):

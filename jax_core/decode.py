@@ -20,6 +20,10 @@ Semantics (`decode_attention`):
       query sees at most w + 1 positions, itself included.
     * Soft cap c: logits -> c * tanh(logits / c). Sinks (softmax_aux, (Hq,) or (Hq, n)): extra
       logits that join each row's softmax denominator only.
+    * ALiBi (alibi_slopes, float (Hq,) or (B, Hq), flash-attn's convention): the logit of query t
+      and position j gets -slope * |length - T + t - j|, after scale and soft cap. The distance is
+      taken from the query's bottom-right position whether or not the call is causal (through
+      `attention()` with top-left alignment too, as flash-attn's ALiBi). The slopes get no gradient.
     * A query that sees nothing (length 0, start >= length, or a position before start) outputs
       zeros; its LSE is -inf (or the sinks' log-sum-exp).
     * GQA natively: query head h reads KV head h // (Hq // Hkv); K/V are never repeated.
@@ -55,7 +59,8 @@ from .vanilla import reference_attention
 Kernel = Literal["triton", "pallas", "xla"]
 CacheLayout = Literal["BSHD", "BHSD", "paged"]
 _KERNEL_OF_PLATFORM = {"gpu": "triton", "tpu": "pallas", "cpu": "xla"}
-_FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks", "lse", "backward"})
+_FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks", "alibi", "lse",
+                       "backward"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,18 @@ def visibility(lengths, starts, t: int, s: int, *, causal: bool, window: tuple[i
     return visible, written[:, 0]
 
 
+def alibi_logits(slopes: jax.Array, lengths: jax.Array, t: int, s: int) -> jax.Array:
+    """(B|1, Hq, T, S) float32 ALiBi term -slope * |length - T + t - j| (module docstring) from
+    (Hq,) or (B, Hq) slopes; lengths are clamped to S, as in `visibility`. No gradient flows to the
+    slopes."""
+    slopes = jax.lax.stop_gradient(slopes.astype(jnp.float32))
+    slopes = slopes[None] if slopes.ndim == 1 else slopes
+    length = jnp.minimum(lengths.astype(jnp.int32), s)[:, None, None]
+    pos = length - t + jnp.arange(t, dtype=jnp.int32)[None, :, None]
+    distance = jnp.abs(pos - jnp.arange(s, dtype=jnp.int32)[None, None, :]).astype(jnp.float32)
+    return -slopes[:, :, None, None] * distance[:, None]
+
+
 def gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
     """(P, PS, Hkv, D) pages -> (B, max_pages * PS, Hkv, D) per-sequence caches (a copy)."""
     table = jnp.clip(block_table.astype(jnp.int32), 0, pages.shape[0] - 1)
@@ -108,13 +125,13 @@ def gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
     return gathered.reshape(table.shape[0], -1, *pages.shape[2:])
 
 
-def _xla_decode(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
+def _xla_decode(q, k, v, lengths, starts, block_table, sinks, alibi, spec: _Spec):
     # Full-precision float32 dots (no TF32 on GPUs): this path also gives the kernels' gradients.
     with jax.default_matmul_precision("highest"):
-        return _xla_decode_body(q, k, v, lengths, starts, block_table, sinks, spec)
+        return _xla_decode_body(q, k, v, lengths, starts, block_table, sinks, alibi, spec)
 
 
-def _xla_decode_body(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
+def _xla_decode_body(q, k, v, lengths, starts, block_table, sinks, alibi, spec: _Spec):
     if spec.q_layout == "BHTD":
         q = _swap(q)
     if spec.cache_layout == "paged":
@@ -126,23 +143,25 @@ def _xla_decode_body(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
     # Unwritten cache slots may hold anything (NaN included): zero them so 0-weights stay 0.
     k = jnp.where(written[:, :, None, None], k, jnp.zeros((), k.dtype))
     v = jnp.where(written[:, :, None, None], v, jnp.zeros((), v.dtype))
+    bias = None if alibi is None else alibi_logits(alibi, lengths, q.shape[1], k.shape[1])
     out, _, lse = reference_attention(
         q, k, v, scale=spec.scale, softmax_dtype=jnp.dtype(spec.softmax_dtype), mask=visible[:, None],
-        logits_soft_cap=spec.softcap, softmax_aux=sinks,
+        logits_soft_cap=spec.softcap, softmax_aux=sinks, bias=bias,
     )
     return (_swap(out) if spec.q_layout == "BHTD" else out), lse
 
 
-def _triton_decode(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
+def _triton_decode(q, k, v, lengths, starts, block_table, sinks, alibi, spec: _Spec):
     from .kernels.decode_jax_triton import DecodeConfig, decode_attention_triton
 
     cfg = DecodeConfig(scale=spec.scale, causal=spec.causal, window=spec.window, pos_shift=spec.pos_shift,
                        softcap=spec.softcap, q_layout=spec.q_layout, cache_layout=spec.cache_layout,
                        fast_tanh=spec.fast_tanh)
-    return decode_attention_triton(q, k, v, lengths, starts, block_table, sinks, cfg)
+    return decode_attention_triton(q, k, v, lengths, starts, block_table, sinks, cfg,
+                                   None if alibi is None else jax.lax.stop_gradient(alibi).astype(jnp.float32))
 
 
-def _pallas_decode(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
+def _pallas_decode(q, k, v, lengths, starts, block_table, sinks, alibi, spec: _Spec):
     from .kernels.decode_pallas_tpu import decode_attention_pallas
 
     if spec.q_layout == "BHTD":
@@ -152,6 +171,7 @@ def _pallas_decode(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
     out, lse = decode_attention_pallas(
         q, k, v, lengths, starts, block_table if spec.cache_layout == "paged" else None, sinks, scale=spec.scale,
         causal=spec.causal, window=spec.window, pos_shift=spec.pos_shift, softcap=spec.softcap,
+        alibi_slopes=None if alibi is None else jax.lax.stop_gradient(alibi).astype(jnp.float32),
     )
     return (_swap(out) if spec.q_layout == "BHTD" else out), lse
 
@@ -159,20 +179,21 @@ def _pallas_decode(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
 _KERNELS = {"triton": _triton_decode, "pallas": _pallas_decode}
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
-def _kernel_decode(q, k, v, lengths, starts, block_table, sinks, spec: _Spec):
-    """A forward-only kernel whose JVP is that of the XLA formulation."""
-    return _KERNELS[spec.kernel](q, k, v, lengths, starts, block_table, sinks, spec)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
+def _kernel_decode(q, k, v, lengths, starts, block_table, sinks, alibi, spec: _Spec):
+    """A forward-only kernel whose JVP is that of the XLA formulation (ALiBi slopes get none)."""
+    return _KERNELS[spec.kernel](q, k, v, lengths, starts, block_table, sinks, alibi, spec)
 
 
 @_kernel_decode.defjvp
 def _kernel_decode_jvp(spec, primals, tangents):
-    q, k, v, lengths, starts, block_table, sinks = primals
+    q, k, v, lengths, starts, block_table, sinks, alibi = primals
     out = _kernel_decode(*primals, spec)
     dq, dk, dv = tangents[:3]
 
     def xla(q, k, v, *maybe_sinks):
-        return _xla_decode(q, k, v, lengths, starts, block_table, maybe_sinks[0] if maybe_sinks else None, spec)
+        return _xla_decode(q, k, v, lengths, starts, block_table, maybe_sinks[0] if maybe_sinks else None, alibi,
+                           spec)
 
     if sinks is None:
         _, tangent = jax.jvp(xla, (q, k, v), (dq, dk, dv))
@@ -218,7 +239,7 @@ def normalize_window(sliding_window) -> tuple[int, int]:
 
 
 def check_decode_args(query, key_cache, value_cache, lengths, starts, block_table, softmax_aux, *,
-                      cache_layout: str, query_layout: str) -> tuple[int, int, int, int]:
+                      cache_layout: str, query_layout: str, alibi_slopes=None) -> tuple[int, int, int, int]:
     """Validates a decode call; returns (B, T, Hq, Hkv). Raises ValueError naming the argument."""
     if query_layout not in ("BTHD", "BHTD"):
         raise ValueError(f"query_layout={query_layout!r}: expected 'BTHD' (B, T, Hq, D) or 'BHTD' (B, Hq, T, D).")
@@ -267,6 +288,11 @@ def check_decode_args(query, key_cache, value_cache, lengths, starts, block_tabl
         _int_vector("starts", starts, b)
     if softmax_aux is not None and (len(softmax_aux.shape) not in (1, 2) or softmax_aux.shape[0] != hq):
         raise ValueError(f"softmax_aux: expected shape (Hq,) or (Hq, n) with Hq={hq}, got {tuple(softmax_aux.shape)}.")
+    if alibi_slopes is not None and (not hasattr(alibi_slopes, "shape")
+                                     or not jnp.issubdtype(alibi_slopes.dtype, jnp.floating)
+                                     or tuple(alibi_slopes.shape) not in ((hq,), (b, hq))):
+        raise ValueError(f"alibi_slopes: expected a float array of shape (Hq,)=({hq},) or (B, Hq)=({b}, {hq}) "
+                         f"(one ALiBi slope per query head, optionally per sequence), got {_describe(alibi_slopes)}.")
     return b, t, hq, hkv
 
 
@@ -292,6 +318,11 @@ class DecodeAttn(AttentionImpl):
     @classmethod
     def get_impl_name(cls) -> tuple[str, ...]:
         return ("decode", "autoregressive_decodeattn")
+
+    @classmethod
+    def takes_alibi_slopes(cls, inputs: AttentionInputs) -> bool:
+        """Every decode kernel (XLA, Triton, Pallas) applies ALiBi slopes itself."""
+        return True
 
     @classmethod
     def extra_reasons(cls, inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:
@@ -322,11 +353,13 @@ class DecodeAttn(AttentionImpl):
         kernel: Optional[Kernel] = None,
         return_lse: bool = False,
         causal: bool = True,
+        alibi_slopes: Optional[jax.Array] = None,
     ) -> AttentionOutput:
         """Decode attention; arguments as `decode_attention` (scale and dtypes from the metadata)."""
         cache_layout = cache_layout or ("paged" if block_table is not None else "BSHD")
         b, t, hq, hkv = check_decode_args(query, key_cache, value_cache, lengths, starts, block_table, softmax_aux,
-                                          cache_layout=cache_layout, query_layout=query_layout)
+                                          cache_layout=cache_layout, query_layout=query_layout,
+                                          alibi_slopes=alibi_slopes)
         window = normalize_window(sliding_window)
         if not isinstance(causal, bool):
             raise ValueError(f"causal={causal!r}: expected a bool (True: each query sees positions up to its own).")
@@ -341,10 +374,10 @@ class DecodeAttn(AttentionImpl):
             raise ValueError(f"decode cannot run this call with kernel={kernel!r}: " + "; ".join(reasons) + ".")
         return self._run(query, key_cache, value_cache, lengths, starts, block_table, softmax_aux, kernel=kernel,
                          causal=causal, window=window, pos_shift=0, softcap=logits_soft_cap, q_layout=query_layout,
-                         cache_layout=cache_layout, return_lse=return_lse)
+                         cache_layout=cache_layout, return_lse=return_lse, alibi=alibi_slopes)
 
     def _run(self, query, key, value, lengths, starts, block_table, softmax_aux, *, kernel, causal, window,
-             pos_shift, softcap, q_layout, cache_layout, return_lse) -> AttentionOutput:
+             pos_shift, softcap, q_layout, cache_layout, return_lse, alibi=None) -> AttentionOutput:
         md = self.metadata
         if md.runtime_dtype:
             query, key, value = (x.astype(md.runtime_dtype) for x in (query, key, value))
@@ -361,15 +394,15 @@ class DecodeAttn(AttentionImpl):
         starts = None if starts is None else starts.astype(jnp.int32)
         block_table = None if block_table is None else block_table.astype(jnp.int32)
         if kernel == "xla":
-            out, lse = _xla_decode(query, key, value, lengths, starts, block_table, sinks, spec)
+            out, lse = _xla_decode(query, key, value, lengths, starts, block_table, sinks, alibi, spec)
         else:
-            out, lse = _kernel_decode(query, key, value, lengths, starts, block_table, sinks, spec)
+            out, lse = _kernel_decode(query, key, value, lengths, starts, block_table, sinks, alibi, spec)
         return AttentionOutput(attention_outputs=out, lse=lse if return_lse else None)
 
     # --- the generic interface: the whole key/value array is the cache ----------------------------
     def _generic(self, kernel, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
                  logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD", segment_ids=None,
-                 cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+                 cu_seqlens=None, max_seqlen=None, alibi_slopes=None) -> AttentionOutput:
         unsupported = {"bias": bias, "mask": mask, "dropout_rng": dropout_rng, "segment_ids": segment_ids,
                        "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
         given = sorted(name for name, value in unsupported.items() if value is not None)
@@ -384,7 +417,7 @@ class DecodeAttn(AttentionImpl):
         return self._run(query, key, value, lengths, None, None, softmax_aux, kernel=kernel, causal=causal,
                          window=tuple(sliding_window) if sliding_window is not None else (-1, -1), pos_shift=shift,
                          softcap=logits_soft_cap, q_layout=layout, cache_layout="BSHD" if layout == "BTHD" else "BHSD",
-                         return_lse=True)
+                         return_lse=True, alibi=alibi_slopes)
 
     def forward_native(self, query, key, value, **kwargs) -> AttentionOutput:
         return self._generic("xla", query, key, value, **kwargs)
@@ -430,6 +463,7 @@ def decode_attention(
     return_lse: bool = False,
     metadata: Optional[AttentionMetadata] = None,
     causal: bool = True,
+    alibi_slopes: Optional[jax.Array] = None,
 ) -> AttentionOutput:
     """Attention of T <= 16 new queries per sequence against a ragged KV cache (module docstring).
 
@@ -452,6 +486,9 @@ def decode_attention(
         causal: True: each query sees positions up to its own. False: every query sees the whole
             valid region [start, length) (the window, when given, still applies around each
             query's position, on both sides).
+        alibi_slopes: float (Hq,) or (B, Hq) ALiBi slopes, or None: -slope * |pos - j| joins the
+            logit of the query at position pos = length - T + t and position j, after scale and
+            soft cap (flash-attn's convention); computed in float32, no gradient.
 
     Returns:
         AttentionOutput with `attention_outputs` (B, T, Hq, Dv) (or (B, Hq, T, Dv)) in the query's
@@ -466,6 +503,7 @@ def decode_attention(
         query, key_cache, value_cache, lengths, starts=starts, block_table=block_table,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
         cache_layout=cache_layout, query_layout=query_layout, kernel=kernel, return_lse=return_lse, causal=causal,
+        alibi_slopes=alibi_slopes,
     )
 
 

@@ -12,6 +12,7 @@ What is here:
   mask; returns the output and the log-sum-exp (and the weights on request);
 * `reference_grads`, `varlen_reference`, `decode_reference`: the same math with gradients, for packed
   sequences and for ragged (possibly NaN-padded) decode caches;
+* `decode_alibi`: flash-attn's ALiBi term for ragged decode caches, as an additive bias;
 * `assert_close_finite` and the low-precision rule `assert_dtype_rule` (bf16 / fp16 results: error
   against a high-precision reference at most twice torch's own error in the same dtype, plus a floor).
 
@@ -89,14 +90,16 @@ def varlen_visibility(cu_q, cu_k, t_total: int, s_total: int, *, causal: bool = 
     return vis
 
 
-def decode_visibility(lengths, starts, t: int, s: int, window: Optional[int] = None) -> torch.Tensor:
+def decode_visibility(lengths, starts, t: int, s: int, window=None, causal: bool = True) -> torch.Tensor:
     """(B, 1, T, S) bool for T queries against a ragged cache of S slots: the queries of sequence b are
     its last T positions (lengths[b] - T + i); each sees the slots [starts[b], lengths[b]) up to its
-    own position, and with a window only the `window` positions before it."""
+    own position (all of them with causal=False), and with a window w only the w positions before it
+    (a (left, right) window: the positions within left before and right after it, -1 unbounded)."""
     lengths = torch.as_tensor(lengths).long()
     starts = torch.zeros_like(lengths) if starts is None else torch.as_tensor(starts).long().to(lengths.device)
-    vis = visibility(t, s, causal=True, window=None if window is None else (window, -1), offset=lengths - t,
-                     device=lengths.device)
+    if window is not None and not isinstance(window, (tuple, list)):
+        window = (window, -1)
+    vis = visibility(t, s, causal=causal, window=window, offset=lengths - t, device=lengths.device)
     j = torch.arange(s, device=lengths.device)
     return vis & (j >= starts.view(-1, 1, 1, 1)) & (j < lengths.view(-1, 1, 1, 1))
 
@@ -196,14 +199,26 @@ def varlen_reference(q, k, v, cu_q, cu_k, *, causal=False, alignment="top_left",
     return (out, lse, *rest)
 
 
-def decode_reference(q, k, v, lengths, starts, *, window=None, **kw):
+def decode_reference(q, k, v, lengths, starts, *, window=None, causal=True, **kw):
     """`reference` for T queries (B, Hq, T, D) against dense (B, S, Hkv, D|Dv) caches that hold data in
-    [starts, lengths) (NaN or anything elsewhere: zeroed first, and hidden by `decode_visibility`).
-    Other keywords (soft cap, sinks, scale, dtype, ...) as for `reference`."""
+    [starts, lengths) (NaN or anything elsewhere: zeroed first, and hidden by `decode_visibility`, with
+    its `window` and `causal`). Other keywords (soft cap, sinks, scale, bias, dtype, ...) as for
+    `reference`."""
     mask = decode_visibility(torch.as_tensor(lengths).cpu(), None if starts is None else torch.as_tensor(starts).cpu(),
-                             q.shape[2], k.shape[1], window).to(q.device)
+                             q.shape[2], k.shape[1], window, causal).to(q.device)
     kk, vv = (torch.nan_to_num(x, nan=0.0).transpose(1, 2) for x in (k, v))
     return reference(q, kk, vv, mask=mask, **kw)
+
+
+def decode_alibi(slopes, lengths, t: int, s: int, dtype=torch.float64) -> torch.Tensor:
+    """flash-attn's ALiBi for a ragged decode cache as a (B|1, Hq, T, S) additive bias: the query at
+    position p = lengths[b] - T + i and slot j get -slope * |p - j| (slopes (Hq,) or (B, Hq)); add it
+    after the soft cap (`reference(bias=...)`)."""
+    slopes = torch.as_tensor(slopes).cpu().to(dtype)
+    slopes = slopes[None] if slopes.dim() == 1 else slopes
+    pos = torch.as_tensor(lengths).cpu().long()[:, None] - t + torch.arange(t)[None, :]  # (B, T)
+    distance = (pos[:, :, None] - torch.arange(s)[None, None, :]).abs().to(dtype)  # (B, T, S)
+    return -slopes[:, :, None, None] * distance[:, None]
 
 
 # ----------------------------------------------------------------------------------------------

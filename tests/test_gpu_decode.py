@@ -1,6 +1,6 @@
 """Decode attention on CUDA (the Triton kernels through jax-triton) via the torch API: the CPU
 grid (cache layouts, GQA 1/4/8, q_len 1/4, ragged lengths incl. 1 and S_max and an empty sequence,
-window, soft cap, sinks) in bf16/fp16, with flash-attn's rule: our error against a float64
+window, soft cap, sinks, ALiBi) in bf16/fp16, with flash-attn's rule: our error against a float64
 reference is at most twice torch's error in the same dtype, plus 1e-3. Skipped without a CUDA
 device or jax-triton."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_reference import assert_dtype_rule, decode_reference
+from attention_reference import assert_dtype_rule, decode_alibi, decode_reference
 from decode_cases import layout_cache, ragged_cache
 
 from jaxattn.torch_api import KVCache, decode_attention, scaled_dot_product_attention
@@ -65,6 +65,33 @@ def test_decode_kernels_on_gpu(case, dtype):
     low, _ = decode_reference(q, k, v, lengths, starts, dtype=dtype, **kw)
     assert out.dtype == dtype and out.shape == (B, hq, t, d)
     assert torch.isfinite(out).all()
+    assert_dtype_rule("out", out, ref, low, floor=1e-3)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("launcher", ["auto", "xla"])  # torch's launcher of the kernels, jax-triton's
+@pytest.mark.parametrize("layout,per_batch", [("BSHD", True), ("paged", False)])
+def test_alibi_on_gpu(layout, per_batch, launcher):
+    from jaxattn.torch_api import sdpa_launcher
+
+    gen = torch.Generator(device=DEV).manual_seed(7 + per_batch)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32, device=DEV)
+    starts = torch.tensor(STARTS, dtype=torch.int32, device=DEV)
+    hq, t, d = 8, 3, 128
+    q = torch.randn(B, hq, t, d, generator=gen, device=DEV).bfloat16()
+    k, v = ragged_cache(gen, B, S, HKV, d, lengths, starts, dtype=torch.bfloat16, device=DEV)
+    kc, vc, table = layout_cache(k, v, layout, gen=gen, page_size=16)
+    slopes = 2.0 ** -torch.arange(1, hq + 1, device=DEV, dtype=torch.float32)  # Bloom-style per-head slopes
+    slopes = slopes.expand(B, hq).contiguous() * (1 + torch.arange(B, device=DEV)[:, None]) if per_batch else slopes
+    kw = dict(window=300, softcap=30.0)
+    with sdpa_launcher(launcher):
+        out, lse = decode_attention(q, kc, vc, lengths, cache_starts=starts, block_table=table, alibi_slopes=slopes,
+                                    return_lse=True, **kw)
+    bias = decode_alibi(slopes, lengths, t, S)
+    ref, ref_lse = decode_reference(q, k, v, lengths, starts, bias=bias, **kw)
+    low, _ = decode_reference(q, k, v, lengths, starts, bias=bias, dtype=torch.bfloat16, **kw)
     assert_dtype_rule("out", out, ref, low, floor=1e-3)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)

@@ -234,6 +234,33 @@ def test_softcap_alibi_sinks_scale(t):
     check(case, out, lse, sinks=sinks, **kw)
 
 
+# (layout, T, causal, (B, Hq) slopes, window, softcap)
+ALIBI_DECODE = [
+    ("contiguous", 1, True, True, None, None),
+    ("paged", 5, False, False, (4, 2), 3.0),
+    ("batch_idx", 16, True, False, (7, -1), None),
+    pytest.param("paged", 16, False, True, None, 2.0, marks=pytest.mark.thorough),
+]
+
+
+@pytest.mark.parametrize("layout,t,causal,per_batch,window,softcap", ALIBI_DECODE, ids=str)
+def test_alibi_with_few_queries_runs_on_the_decode_kernels(monkeypatch, layout, t, causal, per_batch, window,
+                                                            softcap):
+    """T <= 16 with ALiBi goes to the decode kernels, slopes and all (the flash path is made to fail)."""
+    import jaxattn.torch_api.kvcache_call as kvcache_call
+
+    seen, run_decode = [], kvcache_call.run_decode
+    monkeypatch.setattr(kvcache_call, "run_decode",
+                        lambda *a, **kw: seen.append(kw["alibi_slopes"]) or run_decode(*a, **kw))
+    monkeypatch.setattr(kvcache_call, "_on_flash_kernels",
+                        lambda *a, **kw: pytest.fail("a call with T <= 16 and ALiBi took the flash path"))
+    case = make_case(300 + t, layout=layout, t=t, starts=(0, 2, 5, 1))
+    alibi = 0.05 + 0.5 * torch.rand((4, HK * 2) if per_batch else (HK * 2,), generator=case["gen"])
+    out, lse = run_case(case, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi)
+    assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], alibi)
+    check(case, out, lse, causal=causal, window=window, softcap=softcap, alibi=alibi)
+
+
 def test_no_append_and_fewer_queries_than_new_keys():
     # no k / v: the queries are the last T positions of the existing cache
     case = make_case(70, layout="paged", t=3, t_new=0, lengths=(3, 7, 20, 30))
@@ -303,6 +330,32 @@ def test_native_kernels(layout, t, causal, rot, window):
     case["extra"] = {name: x.cpu() for name, x in case["extra"].items()}
     rotary = None if rotary is None else (rotary[0].cpu(), rotary[1].cpu(), *rotary[2:])
     check(case, out.cpu(), lse.cpu(), rotary=rotary, causal=causal, window=window, tol=2e-4 if dev == "cuda" else 2e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                    or not can_launch(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+                    reason="needs triton, and CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("layout,per_batch", [("paged", True), ("batch_idx", False)])
+def test_native_kernels_with_alibi(monkeypatch, layout, per_batch):
+    """ALiBi with T <= 16 on the decode kernels launched from torch (the flash path is made to fail):
+    no XLA executable runs."""
+    import jaxattn.torch_api.kvcache_call as kvcache_call
+    from jaxattn.bridge import cache_info
+
+    monkeypatch.setattr(kvcache_call, "_on_flash_kernels",
+                        lambda *a, **kw: pytest.fail("a call with T <= 16 and ALiBi took the flash path"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    case = make_case(500 + per_batch, layout=layout, t=5, starts=(0, 2, 4, 1), device=dev)
+    alibi = 0.05 + 0.5 * torch.rand((4, HK * 2) if per_batch else (HK * 2,), generator=case["gen"], device=dev)
+    before = cache_info()
+    with sdpa_launcher("native"):
+        out, lse = run_case(case, causal=not per_batch, window=(6, 2), alibi_slopes=alibi)
+    assert cache_info() == before, "an XLA executable ran for a native call"
+    case = {name: x.cpu() if isinstance(x, torch.Tensor) else x for name, x in case.items()}
+    case["dense"] = [x.cpu() for x in case["dense"]]
+    case["extra"] = {name: x.cpu() for name, x in case["extra"].items()}
+    check(case, out.cpu(), lse.cpu(), causal=not per_batch, window=(6, 2), alibi=alibi.cpu(),
+          tol=2e-4 if dev == "cuda" else 2e-5)
 
 
 # --- flash_attn_with_kvcache (flash-attn 2's semantics and defaults) --------------------------------

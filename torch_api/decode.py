@@ -18,7 +18,9 @@ Which positions a query sees (B=1, T=2, cache_starts=1, cache_seqlens=5, window=
     q1 (pos 4)  . x x x x        positions before cache_starts / from cache_seqlens on are unused.
 
 With window=w a query at position p sees positions >= p - w only (w + 1 positions at most). A
-sequence with cache_seqlens == 0 (or cache_starts >= cache_seqlens) outputs zeros.
+sequence with cache_seqlens == 0 (or cache_starts >= cache_seqlens) outputs zeros. ALiBi
+(alibi_slopes, flash-attn's convention) adds -slope * |p - j| to the logit of the query at
+position p and position j, after scale and soft cap (above, q0 at 3: -slope * (3 - j)).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..bridge import jax_op
 from ..jax_core import calls
 from ..jax_core.base import DECODE_MAX_QUERY_LEN
 from . import native_decode
-from .validation import AttentionInputError, check_finite, describe, index_tensor
+from .validation import AttentionInputError, check_alibi, check_finite, describe, index_tensor
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -131,6 +133,7 @@ def decode_attention(
     cache_layout: Literal["BSHD", "BHSD"] = "BSHD",
     return_lse: bool = False,
     kernel: Optional[Literal["triton", "pallas", "xla"]] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Attention of T new queries per sequence against a ragged KV cache (module docstring).
 
@@ -152,6 +155,9 @@ def decode_attention(
         return_lse: also return the (B, Hq, T) float32 log-sum-exp of each query's logits (sinks
             included; -inf for a query that sees no key and has no sink).
         kernel: "triton" (CUDA), "pallas" (TPU), "xla" (anywhere), or None for the device's.
+        alibi_slopes: float32 (Hq,) or (B, Hq) ALiBi slopes on q's device: -slope * |p - j| joins
+            the logit of the query at position p and position j, after scale and soft cap (module
+            docstring). No gradient flows to them.
 
     Returns:
         (B, Hq, T, Dv) tensor in q's dtype; (out, lse) with `return_lse`.
@@ -209,29 +215,34 @@ def decode_attention(
         raise AttentionInputError(f"kernel={kernel!r}: expected None, 'triton', 'pallas' or 'xla'.")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse={return_lse!r}: expected a bool.")
+    check_alibi(alibi_slopes, hq, b, q.device)
     _check_values(lengths, starts, capacity)
     if paged:
         check_pages(block_table, lengths, starts, k_cache.shape[1], k_cache.shape[0])
-    check_finite({"q": q, "sinks": sinks})
+    check_finite({"q": q, "sinks": sinks, "alibi_slopes": alibi_slopes})
     return run_decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, causal=True,
                       window=(-1 if window is None else window, -1), softcap=softcap, scale=scale,
-                      cache_layout="paged" if paged else cache_layout, return_lse=return_lse, kernel=kernel)
+                      cache_layout="paged" if paged else cache_layout, return_lse=return_lse, kernel=kernel,
+                      alibi_slopes=alibi_slopes)
 
 
 def run_decode(q, k_cache, v_cache, lengths, starts, block_table, sinks, *, causal: bool, window: tuple[int, int],
-               softcap, scale, cache_layout: str, return_lse: bool, kernel):
+               softcap, scale, cache_layout: str, return_lse: bool, kernel, alibi_slopes=None):
     """A validated decode call: (B, Hq, T, D) queries, lengths / starts (B,) int32, `cache_layout`
     "BSHD", "BHSD" or "paged", `window` (left, right) around each query's position (-1: unbounded),
-    `causal` False: every query sees the whole valid region. Launched natively where it can be,
-    else through the XLA bridge (`decode_attention`'s docstring)."""
+    `causal` False: every query sees the whole valid region, `alibi_slopes` float32 (Hq,) or (B, Hq)
+    or None. Launched natively where it can be, else through the XLA bridge (`decode_attention`'s
+    docstring)."""
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach()  # no gradient, as flash-attn
     native = native_decode.native_spec(q, k_cache, v_cache, sinks, window=window, softcap=softcap, scale=scale,
                                        cache_layout=cache_layout, kernel=kernel, causal=causal)
     if native is not None:
         return native_decode.decode_native(native, q, k_cache, v_cache, lengths, starts, block_table, sinks,
-                                           return_lse)
+                                           return_lse, alibi_slopes)
     op = _decode_lse_jax if return_lse else _decode_jax
     return op(
-        q, k_cache, v_cache, lengths, starts, block_table, sinks, window=tuple(window),
+        q, k_cache, v_cache, lengths, starts, block_table, sinks, alibi_slopes, window=tuple(window),
         softcap=None if softcap is None else float(softcap), scale=None if scale is None else float(scale),
         cache_layout=cache_layout, kernel=kernel, causal=bool(causal),
         platform="cpu" if q.device.type == "cpu" else "gpu",

@@ -167,11 +167,11 @@ class KVCache:
 
     def attend(self, query: torch.Tensor, *, window: Optional[int] = None, softcap: Optional[float] = None,
                sinks: Optional[torch.Tensor] = None, scale: Optional[float] = None, return_lse: bool = False,
-               kernel: Optional[str] = None):
+               kernel: Optional[str] = None, alibi_slopes: Optional[torch.Tensor] = None):
         """`decode_attention` of (B, Hq, T, D) queries (the last T positions) against this cache."""
         return decode_attention(query, self.key, self.value, self.lengths, cache_starts=self.starts,
                                 block_table=self.block_table, window=window, softcap=softcap, sinks=sinks, scale=scale,
-                                return_lse=return_lse, kernel=kernel)
+                                return_lse=return_lse, kernel=kernel, alibi_slopes=alibi_slopes)
 
 
 def _positive(**values: int) -> None:

@@ -29,11 +29,11 @@ What one call does, per sequence b (L = cache_seqlens[b], s = cache_starts[b] or
     A window (left, right) keeps keys within `left` before and `right` after each query's
     position (-1: unbounded; `right` is moot with causal). ALiBi adds -slope * |pos_q - pos_k|.
 
-How it runs: T <= 16 without ALiBi on the decode kernels (`decode_attention`'s, which read the
-cache in place; a contiguous cache with cache_batch_idx is read as pages of S_max positions). Any
-other call on the flash kernels' varlen path (`flash_attention` with cu_seqlens): a contiguous
-cache without cache_batch_idx is read in place as packed keys (the stretches between sequences'
-valid regions are sequences without queries) by the Triton kernels; a paged cache, or
+How it runs: T <= 16 on the decode kernels (`decode_attention`'s, which read the cache in place and
+compute ALiBi themselves; a contiguous cache with cache_batch_idx is read as pages of S_max
+positions). Longer calls on the flash kernels' varlen path (`flash_attention` with cu_seqlens):
+a contiguous cache without cache_batch_idx is read in place as packed keys (the stretches between
+sequences' valid regions are sequences without queries) by the Triton kernels; a paged cache, or
 cache_batch_idx, is first gathered into (B, capacity, Hk, D) per-sequence copies (the pages each
 block-table row names). Where the XLA bridge runs the flash call (CPU, float64, ...), it gets
 copies whose slots outside the valid regions are zeroed.
@@ -104,7 +104,7 @@ def kvcache_attention(
         window: (left, right) ints >= -1, an int w (= (w, -1)), or None (unbounded).
         softcap: c > 0: logits -> c * tanh(logits / c).
         alibi_slopes: float32 (Hq,) or (B, Hq): -slope * |pos_q - pos_k| added to the logits
-            (after scale and soft cap). Runs on the flash kernels.
+            (after scale and soft cap).
         sinks: (Hq,) or (Hq, n) float attention-sink logits.
         scale: softmax scale, default 1 / sqrt(D).
         return_lse: also return the (B, Hq, T) float32 log-sum-exp of each query's logits.
@@ -147,9 +147,9 @@ def kvcache_attention(
     if k is not None:
         _append(call, k_cache, v_cache, k, v)
     ends = call.lengths + call.t_new
-    if call.t <= DECODE_MAX_QUERY_LEN and alibi_slopes is None:
-        out, lse = _on_decode_kernels(call, q, k_cache, v_cache, ends, sinks, causal=causal, softcap=softcap,
-                                      scale=scale)
+    if call.t <= DECODE_MAX_QUERY_LEN:
+        out, lse = _on_decode_kernels(call, q, k_cache, v_cache, ends, sinks, alibi_slopes, causal=causal,
+                                      softcap=softcap, scale=scale)
     else:
         out, lse = _on_flash_kernels(call, q, k_cache, v_cache, ends, sinks, alibi_slopes, causal=causal,
                                      softcap=softcap, scale=scale)
@@ -172,14 +172,15 @@ def _append(call: KVCacheCall, k_cache, v_cache, k, v) -> None:
         v_cache[rows, positions] = v
 
 
-def _on_decode_kernels(call: KVCacheCall, q, k_cache, v_cache, ends, sinks, *, causal, softcap, scale):
-    """T <= 16: the decode kernels, which take the queries as the last T positions of `ends`."""
+def _on_decode_kernels(call: KVCacheCall, q, k_cache, v_cache, ends, sinks, alibi_slopes, *, causal, softcap, scale):
+    """T <= 16: the decode kernels, which take the queries as the last T positions of `ends` (the
+    positions ALiBi measures from, as here)."""
     block_table, layout = call.block_table, "paged" if call.paged else "BSHD"
     if call.batch_idx is not None:  # each cache row is one page of S_max positions: read in place
         block_table, layout = call.batch_idx[:, None], "paged"
     out, lse = run_decode(q.transpose(1, 2), k_cache, v_cache, ends, call.starts, block_table, sinks, causal=causal,
                           window=call.window, softcap=softcap, scale=scale, cache_layout=layout, return_lse=True,
-                          kernel=None)
+                          kernel=None, alibi_slopes=alibi_slopes)
     return out.transpose(1, 2), lse
 
 

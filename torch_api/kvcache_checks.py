@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .decode import check_pages
-from .validation import AttentionInputError, describe, index_tensor
+from .validation import AttentionInputError, check_alibi, describe, index_tensor
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -120,16 +120,6 @@ def _rotary(rotary_cos, rotary_sin, q, k, d: int, capacity: int) -> None:
                                   "take has an angle.")
 
 
-def _alibi(alibi_slopes, b: int, hq: int, device) -> None:
-    if alibi_slopes is None:
-        return
-    want = f"a float32 tensor (Hq,) = ({hq},) or (B, Hq) = ({b}, {hq}) on {device}"
-    _tensor("alibi_slopes", alibi_slopes, want)
-    if tuple(alibi_slopes.shape) not in ((hq,), (b, hq)) or alibi_slopes.dtype != torch.float32 \
-            or alibi_slopes.device != device:
-        raise AttentionInputError(f"alibi_slopes: got {describe(alibi_slopes)}; expected {want} (e.g. slopes.float()).")
-
-
 def _sinks(sinks, hq: int, device) -> None:
     if sinks is None:
         return
@@ -200,7 +190,7 @@ def check_kvcache_call(q, k_cache, v_cache, cache_seqlens: Union[int, torch.Tens
     t_new = _new_kv(k, v, q, b, hk, d, dv)
     _rotary(rotary_cos, rotary_sin, q, k, d, capacity)
     _scalars(softcap, scale)
-    _alibi(alibi_slopes, b, hq, q.device)
+    check_alibi(alibi_slopes, hq, b, q.device)
     _sinks(sinks, hq, q.device)
     call = KVCacheCall(b=b, t=t, t_new=t_new, hq=hq, hk=hk, capacity=capacity, paged=paged, lengths=lengths,
                        starts=starts, batch_idx=batch_idx, block_table=block_table, window=_window(window))

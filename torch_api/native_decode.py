@@ -43,7 +43,7 @@ class NativeDecodeSpec:
     """Everything static about a native decode call besides the tensors' shapes and strides."""
 
     cfg: DecodeConfig
-    num_inputs: int = 7  # q, k, v, lengths, starts, block_table, sinks
+    num_inputs: int = 8  # q, k, v, lengths, starts, block_table, sinks, alibi_slopes
 
     def __hash__(self) -> int:
         return cached_hash(self, self.cfg, self.num_inputs)
@@ -121,19 +121,22 @@ _SPECS: dict = {}
 
 def decode_native(spec: NativeDecodeSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   lengths: torch.Tensor, starts: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                  sinks: Optional[torch.Tensor], return_lse: bool):
+                  sinks: Optional[torch.Tensor], return_lse: bool, alibi_slopes: Optional[torch.Tensor] = None):
     """The native launch of a validated `decode_attention` call: out (B, Hq, T, Dv) in q's memory
     order, and the (B, Hq, T) float32 LSE with `return_lse`.
 
     lengths / starts are (B,) int32, block_table (B, max_pages) int32 (paged), sinks (Hq,) or
-    (Hq, n) float (several sinks per head merge by log-sum-exp, as on the XLA path).
+    (Hq, n) float (several sinks per head merge by log-sum-exp, as on the XLA path), alibi_slopes
+    float32 (Hq,) or (B, Hq).
     """
     if sinks is not None:
         sinks = (sinks.float() if sinks.dim() == 1 else torch.logsumexp(sinks.float(), -1)).contiguous()
     if block_table is not None and block_table.stride(1) != 1:  # the kernel reads a row's entries in a run
         block_table = block_table.contiguous()
+    if alibi_slopes is not None:  # the kernel reads a head's slopes at consecutive addresses
+        alibi_slopes = alibi_slopes.detach().contiguous()
     out, lse = DECODE_OP(spec, q, k_cache, v_cache, lengths.contiguous(),
-                         None if starts is None else starts.contiguous(), block_table, sinks)
+                         None if starts is None else starts.contiguous(), block_table, sinks, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -188,7 +191,14 @@ def device_sms(device: torch.device) -> int:
     return found
 
 
-def _plan_launches(spec: NativeDecodeSpec, q, k, v, starts, block_table, sinks) -> _Launches:
+def _alibi_stride(alibi: Optional[torch.Tensor]) -> Optional[int]:
+    """The slopes' batch stride (0 for one slope per head, or one batch row), None without ALiBi."""
+    if alibi is None:
+        return None
+    return 0 if alibi.dim() == 1 or alibi.shape[0] == 1 else int(alibi.stride(0))
+
+
+def _plan_launches(spec: NativeDecodeSpec, q, k, v, starts, block_table, sinks, alibi=None) -> _Launches:
     cfg = spec.cfg
     paged = cfg.cache_layout == "paged"
     b, hq, t, d = _ints(q.shape)
@@ -204,12 +214,12 @@ def _plan_launches(spec: NativeDecodeSpec, q, k, v, starts, block_table, sinks) 
         v_strides=cache_order(_strides(v), cache_layout),
         out_strides=query_order(_out_strides(b, hq, t, dv, bthd), "BHTD"),
         table_stride=int(block_table.stride(0)) if paged else 0, dtype_bytes=q.element_size(),
-        has_starts=starts is not None, has_sinks=sinks is not None,
+        has_starts=starts is not None, has_sinks=sinks is not None, alibi_stride=_alibi_stride(alibi),
     )
     plan = plan_decode(call, cfg, device_sms(q.device))
-    absent = {name for name, tensor in (("Starts", starts), ("BlockTable", block_table), ("Sinks", sinks))
-              if tensor is None}
-    dtypes = dict(Starts=torch.int32, BlockTable=torch.int32, Sinks=torch.float32)
+    absent = {name for name, tensor in (("Starts", starts), ("BlockTable", block_table), ("Sinks", sinks),
+                                        ("Alibi", alibi)) if tensor is None}
+    dtypes = dict(Starts=torch.int32, BlockTable=torch.int32, Sinks=torch.float32, Alibi=torch.float32)
 
     def launch(kernel, planned, names) -> KernelLaunch:
         fixed = {n: optional(None, dtypes[n], q.device) for n in names if n in absent}
@@ -219,7 +229,7 @@ def _plan_launches(spec: NativeDecodeSpec, q, k, v, starts, block_table, sinks) 
     return _Launches(
         segments=launch(segment_offsets_entry, plan.segments, ("Lengths", "Starts", "SegCum")),
         stream=launch(stream_entry, plan.stream, ("Q", "K", "V", "Lengths", "Starts", "BlockTable", "SegCum",
-                                                  "Out", "Lse")),
+                                                  "Alibi", "Out", "Lse")),
         merge=launch(stream_merge_entry, plan.merge, ("OutPart", "LsePart", "SegCum", "Sinks", "Out", "Lse")),
         num_segments=plan.num_segments, part_shape=plan.part_shape, out_bthd=bthd,
     )
@@ -230,16 +240,17 @@ _LAUNCHES: dict = {}
 _MAX_LAUNCHES = 4096
 
 
-def _launches(spec: NativeDecodeSpec, q, k, v, starts, block_table, sinks) -> _Launches:
+def _launches(spec: NativeDecodeSpec, q, k, v, starts, block_table, sinks, alibi=None) -> _Launches:
     if traced():  # symbolic sizes are not hashable, and a traced call plans once anyway
-        return _plan_launches(spec, q, k, v, starts, block_table, sinks)
+        return _plan_launches(spec, q, k, v, starts, block_table, sinks, alibi)
     key = (spec, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(), starts is not None,
-           None if block_table is None else (block_table.shape, block_table.stride(0)), sinks is not None)
+           None if block_table is None else (block_table.shape, block_table.stride(0)), sinks is not None,
+           None if alibi is None else (alibi.shape, _alibi_stride(alibi)))
     found = _LAUNCHES.get(key)
     if found is None:
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        found = _LAUNCHES[key] = _plan_launches(spec, q, k, v, starts, block_table, sinks)
+        found = _LAUNCHES[key] = _plan_launches(spec, q, k, v, starts, block_table, sinks, alibi)
     return found
 
 
@@ -248,15 +259,15 @@ def _given(*tensors: Optional[torch.Tensor]) -> list:
     return [t for t in tensors if t is not None]
 
 
-def _forward(spec: NativeDecodeSpec, q, k, v, lengths, starts, block_table, sinks):
+def _forward(spec: NativeDecodeSpec, q, k, v, lengths, starts, block_table, sinks, alibi=None):
     """(out, lse): the segment table, the stream kernel's partial results, their merge."""
-    launches = _launches(spec, q, k, v, starts, block_table, sinks)
+    launches = _launches(spec, q, k, v, starts, block_table, sinks, alibi)
     dev = q.device
     seg_cum = torch.empty(launches.num_segments + 1, dtype=torch.int32, device=dev)
     launches.segments(*_given(lengths, starts, seg_cum))
     out_part = torch.empty(launches.part_shape, dtype=torch.float32, device=dev)
     lse_part = torch.empty(launches.part_shape[:-1], dtype=torch.float32, device=dev)
-    launches.stream(*_given(q, k, v, lengths, starts, block_table, seg_cum, out_part, lse_part))
+    launches.stream(*_given(q, k, v, lengths, starts, block_table, seg_cum, alibi, out_part, lse_part))
     out = _out_buffer(q, v.shape[3], launches.out_bthd)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=dev)
     launches.merge(*_given(out_part, lse_part, seg_cum, sinks, out, lse))

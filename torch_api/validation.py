@@ -246,3 +246,19 @@ def index_tensor(name: str, t, shape: tuple, what: str, device) -> torch.Tensor:
     if t.device != device:
         raise AttentionInputError(f"{name}: on {t.device} but q is on {device} (move it with .to(q.device)).")
     return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def check_alibi(alibi_slopes, hq: int, batch: int, device: torch.device, batch_name: str = "B") -> None:
+    """ALiBi slopes as flash-attn takes them: None, or a float32 tensor (Hq,) or (batch, Hq) on
+    `device` (q's). `batch_name` names the batch dim in messages ("N sequences" for varlen calls)."""
+    if alibi_slopes is None:
+        return
+    want = f"a float32 tensor of shape (Hq,)=({hq},) or ({batch_name}, Hq)=({batch}, {hq}) on {device}"
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected {want}, got {type(alibi_slopes).__name__}.")
+    if tuple(alibi_slopes.shape) not in ((hq,), (batch, hq)) or alibi_slopes.dtype != torch.float32:
+        raise AttentionInputError(f"alibi_slopes: got {describe(alibi_slopes)}; expected {want} (one slope per query "
+                                  "head, optionally per batch row; e.g. slopes.float()).")
+    if alibi_slopes.device != device:
+        raise AttentionInputError(f"alibi_slopes: on {alibi_slopes.device} but q is on {device} (move it with "
+                                  ".to(q.device)).")

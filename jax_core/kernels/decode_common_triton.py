@@ -20,6 +20,8 @@ Tensors (each a pointer plus element strides, so any layout works):
         living in page BlockTable[b, j // PAGE_SIZE], slot j % PAGE_SIZE.
     Lengths (B,) int32: valid positions end (exclusive). Starts (B,) int32: first valid position.
     BlockTable (B, max_pages) int32 (PAGED only). Sinks (Hq,) float32 sink logits (HAS_SINKS).
+    Alibi float32 ALiBi slopes (ALIBI only): element (b, h) at b * stride_ab + h, stride_ab = 0 for
+        one slope per head (Hq,), Hq for (B, Hq).
 
 Visibility of position j to query t of sequence b (pos = length - T + t + pos_shift is the query's
 position; pos_shift = 0 puts the T queries at the end of the sequence):
@@ -27,6 +29,12 @@ position; pos_shift = 0 puts the T queries at the end of the sequence):
     j <= pos + window_right (if >= 0).
 Only the positions that some query of the sequence can see are loaded: the rest of the cache is
 never read. A query that sees nothing yields out = 0, lse = -inf (or the sink when HAS_SINKS).
+
+ALiBi (ALIBI): the logit of query t and position j gets -slope * |length - T + t - j| after scale
+and soft cap, as in the flash kernels. The distance is measured from the query's bottom-right
+position, without pos_shift: flash-attn's ALiBi is aligned bottom-right whatever the causal
+alignment, and pos_shift only moves the causal / window rule (top-left alignment through
+`attention()`).
 
 A program takes the G * T query rows of one KV head (rows r = g * T + t, query head kvh * G + g)
 in BLOCK_M tiles (`query_rows`), so every K/V tile is loaded once for the whole group (GQA without
@@ -93,18 +101,29 @@ def query_rows(Q, kvh, pid_m, length, start, stride_qt, stride_qh, stride_qd,
 
 
 @triton.jit
+def alibi_rows(Alibi, b64, head, t, length, row_valid, stride_ab, T, BLOCK_M: tl.constexpr, ALIBI: tl.constexpr):
+    """(slope2, alibi_pos) of the query rows: log2(e) * their heads' slopes and their ALiBi
+    positions length - T + t (module docstring); zeros without ALIBI (then never read)."""
+    slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    alibi_pos = length - T + t
+    if ALIBI:
+        slope2 = tl.load(Alibi + b64 * stride_ab + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+    return slope2, alibi_pos
+
+
+@triton.jit
 def attend_blocks(
     q, acc, m_i, l_i, blk_lo, blk_hi, seq_lo, seq_hi, row_valid, row_lo, row_hi,
     k_head, v_head, table_row, b64,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-    scale, softcap, D, Dv,
+    scale, softcap, D, Dv, slope2, alibi_pos,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Online softmax of the query rows over key blocks [blk_lo, blk_hi) (positions outside
     [seq_lo, seq_hi) and outside each row's [row_lo, row_hi) hidden); returns (acc, m_i, l_i) with
     m_i in the log2 domain. k_head / v_head point at the KV head's first element; table_row at
-    sequence b's block-table row (PAGED)."""
+    sequence b's block-table row (PAGED); slope2 / alibi_pos from `alibi_rows` (ALIBI)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -132,6 +151,8 @@ def attend_blocks(
             s2 = (softcap * 1.4426950408889634) * tanh_f32(qk * (scale / softcap), FAST_TANH)
         else:
             s2 = qk * (scale * 1.4426950408889634)
+        if ALIBI:  # after the soft cap, as in the flash kernels
+            s2 -= slope2[:, None] * tl.abs(alibi_pos[:, None] - cols[None, :]).to(tl.float32)
         visible = (col_ok[None, :] & row_valid[:, None]
                    & (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None]))
         s2 = tl.where(visible, s2, float("-inf"))

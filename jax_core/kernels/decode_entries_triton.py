@@ -4,7 +4,9 @@ Every scalar is a constexpr: jax-triton passes nothing else (its convention: inp
 then constexprs), and the torch launcher launches the same entries so that both give the same bits
 (one compilation per call signature either way; ragged lengths are device tensors and change
 nothing). The arguments are named as in `decode_stream_triton`'s kernels and planned by
-`decode_plan.plan_decode`. Imports only triton, so the entries run under Triton's interpreter.
+`decode_plan.plan_decode`. `Alibi` (float32 ALiBi slopes) and its batch stride `sab` are read only
+with the ALIBI switch; other calls pass a placeholder that is never read (the switch removes the
+ALiBi code at compile time). Imports only triton, so the entries run under Triton's interpreter.
 """
 
 import triton
@@ -15,7 +17,7 @@ from .decode_stream_triton import decode_stream_kernel, decode_stream_merge_kern
 
 @triton.jit
 def stream_entry(
-    Q, K, V, Lengths, Starts, BlockTable, SegCum, Out, Lse,
+    Q, K, V, Lengths, Starts, BlockTable, SegCum, Alibi, Out, Lse,
     sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqd: tl.constexpr,
     skb: tl.constexpr, sks: tl.constexpr, skh: tl.constexpr, skd: tl.constexpr,
     svb: tl.constexpr, svs: tl.constexpr, svh: tl.constexpr, svd: tl.constexpr,
@@ -29,15 +31,15 @@ def stream_entry(
     CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ROW_BLOCKS: tl.constexpr, MIN_SHARE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_SEG: tl.constexpr,
+    BLOCK_SEG: tl.constexpr, sab: tl.constexpr, ALIBI: tl.constexpr,
 ):
     decode_stream_kernel(
-        Q, K, V, Lengths, Starts, BlockTable, SegCum, Out, Lse,
-        sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, stb,
+        Q, K, V, Lengths, Starts, BlockTable, SegCum, Alibi, Out, Lse,
+        sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, stb, sab,
         sob, sot, soh, sopart, sod, slb, slt, slh, slpart,
         scale, softcap, window_left, window_right, pos_shift, T, G, Hkv, D, Dv, capacity,
         num_segments, num_programs, CAUSAL, HAS_STARTS, PAGED, PAGE_SIZE, SOFTCAP, FAST_TANH,
-        ROW_BLOCKS, MIN_SHARE, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_SEG,
+        ROW_BLOCKS, MIN_SHARE, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_SEG, ALIBI,
     )
 
 

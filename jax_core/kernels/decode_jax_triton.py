@@ -1,8 +1,8 @@
 """The Triton decode kernels as a JAX function, launched with jax-triton.
 
-`decode_attention_triton(q, k, v, lengths, starts, block_table, sinks, cfg)` returns (out, lse): the
-segment table (`decode_segments_triton`), the stream-K schedule (`decode_stream_triton`), then the
-merge of each row's partial results. The launches are planned by `decode_plan`, the plan the torch
+`decode_attention_triton(q, k, v, lengths, starts, block_table, sinks, cfg, alibi_slopes)` returns
+(out, lse): the segment table (`decode_segments_triton`), the stream-K schedule
+(`decode_stream_triton`), then the merge of each row's partial results. The launches are planned by `decode_plan`, the plan the torch
 launcher (`torch_api/native_decode.py`) uses too. jax-triton is imported when a kernel is launched
 (it needs a GPU build of jaxlib), so this module imports on any machine. Entry kernels take every
 scalar as a constexpr (jax-triton's convention: inputs, then outputs, then constexprs); the cache
@@ -66,7 +66,7 @@ def _float_or_placeholder(x: Optional[jax.Array]) -> jax.Array:
     return x.astype(jnp.float32) if x is not None else _placeholder(jnp.float32)
 
 
-def decode_call(q, k, v, block_table, sinks, starts, cfg: DecodeConfig) -> DecodeCall:
+def decode_call(q, k, v, block_table, sinks, starts, cfg: DecodeConfig, alibi_slopes=None) -> DecodeCall:
     """`DecodeCall` of JAX arrays (row-major: strides follow from shapes)."""
     b, t, hq, d = query_order(q.shape, cfg.q_layout)
     paged = cfg.cache_layout == "paged"
@@ -81,6 +81,7 @@ def decode_call(q, k, v, block_table, sinks, starts, cfg: DecodeConfig) -> Decod
         out_strides=query_order(contiguous_strides(out_shape), cfg.q_layout),
         table_stride=block_table.shape[1] if paged else 0, dtype_bytes=jnp.dtype(q.dtype).itemsize,
         has_starts=starts is not None, has_sinks=sinks is not None,
+        alibi_stride=None if alibi_slopes is None else (0 if alibi_slopes.ndim == 1 else hq),
     )
 
 
@@ -93,6 +94,7 @@ def decode_attention_triton(
     block_table: Optional[jax.Array],
     sinks: Optional[jax.Array],
     cfg: DecodeConfig,
+    alibi_slopes: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode attention by the Triton kernels; returns (out, lse).
 
@@ -106,6 +108,8 @@ def decode_attention_triton(
         block_table: (B, max_pages) int32 page of each sequence's page slot ("paged" only).
         sinks: (Hq,) float32 sink logits, or None.
         cfg: static settings.
+        alibi_slopes: float32 (Hq,) or (B, Hq) ALiBi slopes, or None: -slope * |length - T + t - j|
+            joins the logit of query t and position j, after scale and soft cap.
 
     Returns:
         out in q's layout and dtype; lse (B, Hq, T) float32 (-inf for queries that see nothing,
@@ -114,13 +118,14 @@ def decode_attention_triton(
     if cfg.cache_layout not in CACHE_LAYOUTS:
         raise ValueError(f"cache_layout={cfg.cache_layout!r}: expected one of {CACHE_LAYOUTS}.")
     jt = jax_triton()
-    call = decode_call(q, k, v, block_table, sinks, starts, cfg)
+    call = decode_call(q, k, v, block_table, sinks, starts, cfg, alibi_slopes)
     plan = plan_decode(call, cfg, _device_sms())
     stream, merge = plan.stream, plan.merge
     seg_cum = _launch_segments(jt, plan.segments, lengths, starts, plan.num_segments)
     table = block_table.astype(jnp.int32) if cfg.cache_layout == "paged" else _placeholder(jnp.int32)
     out_part, lse_part = jt.triton_call(
-        q, k, v, lengths.astype(jnp.int32), _int32_or_placeholder(starts), table, seg_cum, kernel=stream_entry,
+        q, k, v, lengths.astype(jnp.int32), _int32_or_placeholder(starts), table, seg_cum,
+        _float_or_placeholder(alibi_slopes), kernel=stream_entry,
         out_shape=(jax.ShapeDtypeStruct(plan.part_shape, jnp.float32),
                    jax.ShapeDtypeStruct(plan.part_shape[:-1], jnp.float32)),
         grid=stream.grid, num_warps=stream.num_warps, num_stages=stream.num_stages, **stream.args,

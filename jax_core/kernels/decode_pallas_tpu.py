@@ -9,8 +9,8 @@ Pallas issues no copy for them (only visible blocks are read), and their compute
 
 Visibility and semantics are those of `decode_common_triton.py` (queries at positions
 length - T + t + pos_shift, [start, length) valid, causal / window rule, sinks in the denominator,
-out = 0 and lse = -inf for queries that see nothing). Tested in Pallas TPU interpret mode on the CPU
-only.
+out = 0 and lse = -inf for queries that see nothing, ALiBi -slope * |length - T + t - j| after the
+soft cap). Tested in Pallas TPU interpret mode on the CPU only.
 
 Shape legend: B batch, T queries, Hq / Hkv heads, S capacity, D / Dv head dims, P pages, PS page size.
 """
@@ -62,6 +62,7 @@ def decode_attention_pallas(
     window: tuple[int, int] = (-1, -1),
     pos_shift: int = 0,
     softcap: Optional[float] = None,
+    alibi_slopes: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode attention on TPU; returns out (B, T, Hq, Dv) in q's dtype and lse (B, Hq, T) float32.
 
@@ -72,6 +73,8 @@ def decode_attention_pallas(
         lengths: (B,) int32. starts: (B,) int32 or None. block_table: (B, max_pages) int32 or None.
         sinks: (Hq,) float32 or None.
         scale, causal, window, pos_shift, softcap: as `decode_jax_triton.DecodeConfig`.
+        alibi_slopes: float32 (Hq,) or (B, Hq) ALiBi slopes, or None (the ALiBi code is then not
+            traced).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -94,6 +97,12 @@ def decode_attention_pallas(
     table = block_table.astype(jnp.int32) if paged else jnp.zeros((b, 1), jnp.int32)
     sink_row = (jnp.full((1, hq), -jnp.inf, jnp.float32) if sinks is None
                 else sinks.astype(jnp.float32).reshape(1, hq))
+    alibi = alibi_slopes is not None
+    # Slopes as (B, 1, Hq): a (1, 1, Hq) block per sequence spans the last two dims whole, as TPU
+    # blocks must. Without ALiBi there is no such input at all.
+    slope_inputs = [] if not alibi else [
+        jnp.broadcast_to(alibi_slopes.astype(jnp.float32).reshape(-1, 1, hq), (b, 1, hq))]
+    slope_specs = [pl.BlockSpec((1, 1, hq), lambda i, j, *_: (i, 0, 0))] if alibi else []
 
     def kv_index(i, j, lengths_ref, starts_ref, table_ref):
         lo, hi = visible_range(lengths_ref[i], starts_ref[i])
@@ -102,7 +111,9 @@ def decode_attention_pallas(
         jj = jnp.clip(j, first, last)
         return (table_ref[i, jj], 0, 0, 0) if paged else (i, jj, 0, 0)
 
-    def kernel(lengths_ref, starts_ref, table_ref, q_ref, k_ref, v_ref, sink_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
+    def kernel(lengths_ref, starts_ref, table_ref, q_ref, k_ref, v_ref, sink_ref, *refs):
+        slope_ref = refs[0] if alibi else None
+        o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[1:] if alibi else refs
         i, j = pl.program_id(0), pl.program_id(1)
 
         @pl.when(j == 0)
@@ -135,6 +146,9 @@ def decode_attention_pallas(
                 s = jax.lax.dot_general(qh, kh, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
                 if softcap is not None:
                     s = softcap * jnp.tanh(s / softcap)
+                if alibi:  # rows r = t * G + g; distance from the query's bottom-right position
+                    slope = jnp.tile(slope_ref[0, 0, h * groups:(h + 1) * groups], t).reshape(rows, 1)
+                    s = s - slope * jnp.abs(pos - pos_shift - cols).astype(jnp.float32)
                 s = jnp.where(visible, s, -jnp.inf)
                 m_prev = m_sc[h]
                 m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
@@ -170,6 +184,7 @@ def decode_attention_pallas(
             pl.BlockSpec(kv_block, kv_index),
             pl.BlockSpec((1, block, hkv, dv), kv_index),
             pl.BlockSpec((1, hq), lambda i, j, *_: (0, 0)),
+            *slope_specs,
         ],
         out_specs=[
             pl.BlockSpec((1, t, hq, dv), lambda i, j, *_: (i, 0, 0, 0)),
@@ -187,5 +202,5 @@ def decode_attention_pallas(
         out_shape=(jax.ShapeDtypeStruct((b, t, hq, dv), q.dtype), jax.ShapeDtypeStruct((b, hq, t), jnp.float32)),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         name="jaxattn_decode_attention",
-    )(lengths, starts, table, q, k, v, sink_row)
+    )(lengths, starts, table, q, k, v, sink_row, *slope_inputs)
     return out, lse

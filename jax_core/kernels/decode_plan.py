@@ -197,6 +197,8 @@ class DecodeCall(NamedTuple):
         table_stride: the block table's row stride (paged), else 0; its entries are consecutive.
         dtype_bytes: bytes per element of q / k / v (tile choice).
         has_starts, has_sinks: first valid positions / sink logits are given.
+        alibi_stride: None without ALiBi, else the batch stride of the float32 slopes (0 for one
+            slope per head (Hq,), Hq for (B, Hq)); a head's slopes are consecutive.
     """
 
     b: int
@@ -215,13 +217,14 @@ class DecodeCall(NamedTuple):
     dtype_bytes: int
     has_starts: bool
     has_sinks: bool
+    alibi_stride: Optional[int] = None
 
 
 class DecodePlan(NamedTuple):
     """The three launches of a decode call and the buffers between them.
 
     segments: (Lengths, Starts, SegCum); stream: (Q, K, V, Lengths, Starts, BlockTable, SegCum,
-    OutPart, LsePart); merge: (OutPart, LsePart, SegCum, Sinks, Out, Lse). SegCum is
+    Alibi, OutPart, LsePart); merge: (OutPart, LsePart, SegCum, Sinks, Out, Lse). SegCum is
     (num_segments + 1,) int32; OutPart (part_shape) and LsePart (part_shape[:-1]) are contiguous
     float32; Lse is (B, Hq, T) float32 contiguous.
     """
@@ -283,6 +286,7 @@ def plan_decode(call: DecodeCall, cfg: DecodeConfig, sms: int) -> DecodePlan:
         SOFTCAP=cfg.softcap is not None, FAST_TANH=bool(cfg.fast_tanh) and call.dtype_bytes < 4,
         ROW_BLOCKS=row_blocks, MIN_SHARE=min_share, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_DV=block_dv, BLOCK_SEG=min(1024, max(16, next_pow2(segments))),
+        sab=int(call.alibi_stride or 0), ALIBI=call.alibi_stride is not None,
     )
     merge = dict(
         **_named(("spb", "spt", "sph", "sppart", "spd"), part_strides),

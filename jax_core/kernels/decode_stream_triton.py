@@ -25,7 +25,7 @@ it runs under Triton's interpreter.
 import triton
 import triton.language as tl
 
-from .decode_common_triton import attend_blocks, query_rows, sequence_range, store_rows
+from .decode_common_triton import alibi_rows, attend_blocks, query_rows, sequence_range, store_rows
 
 
 @triton.jit
@@ -37,11 +37,11 @@ def stream_share(SegCum, num_segments, num_programs, MIN_SHARE: tl.constexpr):
 
 @triton.jit
 def decode_stream_kernel(
-    Q, K, V, Lengths, Starts, BlockTable, SegCum, Out, Lse,
+    Q, K, V, Lengths, Starts, BlockTable, SegCum, Alibi, Out, Lse,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_tb,
+    stride_tb, stride_ab,
     stride_ob, stride_ot, stride_oh, stride_opart, stride_od,
     stride_lb, stride_lt, stride_lh, stride_lpart,
     scale, softcap, window_left, window_right, pos_shift,
@@ -49,7 +49,7 @@ def decode_stream_kernel(
     CAUSAL: tl.constexpr, HAS_STARTS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, ROW_BLOCKS: tl.constexpr, MIN_SHARE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_SEG: tl.constexpr,
+    BLOCK_SEG: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Program p's slice [p * W, (p + 1) * W) of the batch's key blocks (module docstring).
 
@@ -80,6 +80,7 @@ def decode_stream_kernel(
             q, t, head, row_valid, row_lo, row_hi = query_rows(
                 Q + b64 * stride_qb, kvh, pid_m, length, start, stride_qt, stride_qh, stride_qd,
                 window_left, window_right, pos_shift, capacity, T, G, D, CAUSAL, BLOCK_M, BLOCK_D)
+            slope2, alibi_pos = alibi_rows(Alibi, b64, head, t, length, row_valid, stride_ab, T, BLOCK_M, ALIBI)
             blk0 = seq_lo // BLOCK_N - seg_start
             acc, m_i, l_i = attend_blocks(
                 q, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -87,7 +88,7 @@ def decode_stream_kernel(
                 row_valid, row_lo, row_hi,
                 K + kvh.to(tl.int64) * stride_kh, V + kvh.to(tl.int64) * stride_vh, BlockTable + b64 * stride_tb,
                 b64, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, scale, softcap, D, Dv,
-                PAGED, PAGE_SIZE, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_D, BLOCK_DV)
+                slope2, alibi_pos, PAGED, PAGE_SIZE, SOFTCAP, FAST_TANH, BLOCK_N, BLOCK_D, BLOCK_DV, ALIBI)
             part = (p - seg_start // share).to(tl.int64)
             rows = b64 * stride_ob + t * stride_ot + head * stride_oh + part * stride_opart
             store_rows(acc, m_i, l_i, Out + rows[:, None], Lse + b64 * stride_lb + t * stride_lt
