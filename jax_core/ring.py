@@ -178,7 +178,8 @@ def _piece_alibi(alibi: Optional[BlockAlibi], p: rl.Piece) -> Optional[BlockAlib
     """The positions of a piece's query rows and keys (the slopes are the whole call's)."""
     if alibi is None:
         return None
-    return alibi._replace(q_pos=_rows(alibi.q_pos, p.q_start, p.q_len, 0), k_pos=_rows(alibi.k_pos, p.k_start, p.k_len, 0))
+    return alibi._replace(q_pos=_rows(alibi.q_pos, p.q_start, p.q_len, 0),
+                          k_pos=_rows(alibi.k_pos, p.k_start, p.k_len, 0))
 
 
 def _forward_branch(pieces, acc_out, acc_lse, q, q_seg, alibi, k, v, k_seg, *, cfg):

@@ -47,7 +47,8 @@ from .launch import native_config
 from .native_flash import flash_forward
 from .selection import normalize_choice
 from .seqused_keys import check_seqused_k, used_key_packing, zero_unused
-from .validation import AttentionInputError, check_finite, check_qkv, describe, finite_check_reads
+from .validation import (AttentionInputError, check_alibi_slopes, check_finite, check_qkv, describe,
+                         finite_check_reads)
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -191,24 +192,6 @@ def _check_options(causal_alignment, window, softcap, sinks, scale, hq: int, dev
     return window
 
 
-def _check_alibi(alibi_slopes, q: torch.Tensor, batch: int, varlen: bool) -> None:
-    """ALiBi slopes as flash-attn takes them: float32 (Hq,) or (batch, Hq) on q's device (q: (B, Hq, L, E) or
-    packed (total_q, Hq, E))."""
-    if alibi_slopes is None:
-        return
-    hq = q.shape[1]
-    batch_name = "N sequences" if varlen else "B"
-    want = f"a float32 tensor of shape (Hq,)=({hq},) or ({batch_name}, Hq)=({batch}, {hq}) on {q.device}"
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes: expected {want}, got {type(alibi_slopes).__name__}.")
-    if tuple(alibi_slopes.shape) not in ((hq,), (batch, hq)) or alibi_slopes.dtype != torch.float32:
-        raise AttentionInputError(f"alibi_slopes: got {describe(alibi_slopes)}; expected {want} (one slope per query "
-                                  "head, optionally per batch row; e.g. slopes.float()).")
-    if alibi_slopes.device != q.device:
-        raise AttentionInputError(f"alibi_slopes: on {alibi_slopes.device} but q is on {q.device} (move it with "
-                                  ".to(q.device)).")
-
-
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}.")
@@ -333,7 +316,7 @@ def flash_attention(
                 raise AttentionInputError(f"{name} ({shown}): only used with cu_seqlens_q (the varlen layout); pass "
                                           "both cu_seqlens_q and cu_seqlens_k, or drop it.")
     window = _check_options(causal_alignment, window, softcap, sinks, scale, q.shape[1], q.device)
-    _check_alibi(alibi_slopes, q, cu_seqlens_q.numel() - 1 if varlen else q.shape[0], varlen)
+    check_alibi_slopes(alibi_slopes, q, cu_seqlens_q.numel() - 1 if varlen else q.shape[0], varlen)
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     dropout_p = _check_dropout(dropout_p)

@@ -20,10 +20,10 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .decode import check_pages
-from .flash import _check_alibi, _check_cu_seqlens, _check_cu_values, _max_seqlen
+from .flash import _check_cu_seqlens, _check_cu_values, _max_seqlen
 from .padded_keys import attend_padded_keys, zero_outside
 from .seqused_keys import check_seqused_k
-from .validation import AttentionInputError, check_finite, describe
+from .validation import AttentionInputError, check_alibi_slopes, check_finite, describe
 
 _POOL = "(num_blocks, page_block_size, nheads_k, headdim)"
 
@@ -107,7 +107,7 @@ def paged_varlen_attention(
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     num_seqs = cu_seqlens_k.numel() - 1
     block_table = _check_block_table(block_table, q, num_seqs)
-    _check_alibi(alibi_slopes, q, num_seqs, True)
+    check_alibi_slopes(alibi_slopes, q, num_seqs, True)
     num_pages, page_size = k.shape[0], k.shape[1]
     capacity = block_table.shape[1] * page_size
     lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)

@@ -246,3 +246,21 @@ def index_tensor(name: str, t, shape: tuple, what: str, device) -> torch.Tensor:
     if t.device != device:
         raise AttentionInputError(f"{name}: on {t.device} but q is on {device} (move it with .to(q.device)).")
     return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def check_alibi_slopes(alibi_slopes, q: torch.Tensor, batch: int, varlen: bool) -> None:
+    """ALiBi slopes as flash-attn takes them: float32 (Hq,) or (batch, Hq) on q's device (q: (B, Hq, L, E) or
+    packed (total_q, Hq, E)); `batch` is B, or the number of sequences N with `varlen`."""
+    if alibi_slopes is None:
+        return
+    hq = q.shape[1]
+    batch_name = "N sequences" if varlen else "B"
+    want = f"a float32 tensor of shape (Hq,)=({hq},) or ({batch_name}, Hq)=({batch}, {hq}) on {q.device}"
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected {want}, got {type(alibi_slopes).__name__}.")
+    if tuple(alibi_slopes.shape) not in ((hq,), (batch, hq)) or alibi_slopes.dtype != torch.float32:
+        raise AttentionInputError(f"alibi_slopes: got {describe(alibi_slopes)}; expected {want} (one slope per query "
+                                  "head, optionally per batch row; e.g. slopes.float()).")
+    if alibi_slopes.device != q.device:
+        raise AttentionInputError(f"alibi_slopes: on {alibi_slopes.device} but q is on {q.device} (move it with "
+                                  ".to(q.device)).")
