@@ -96,7 +96,7 @@ def sequence_mesh(devices: Optional[Sequence[jax.Device]] = None, axis_name: str
     return Mesh(np.array(devices), (axis_name,))
 
 
-def global_from_shards(shards: Sequence[torch.Tensor], mesh: Mesh, spec: P, axis: int) -> jax.Array:
+def global_from_shards(shards: Sequence[torch.Tensor], mesh: Mesh, spec: P, axis: Optional[int]) -> jax.Array:
     """One global JAX array from this process's torch shards, without copies (DLPack).
 
     Args:
@@ -104,6 +104,7 @@ def global_from_shards(shards: Sequence[torch.Tensor], mesh: Mesh, spec: P, axis
             on its device (a shard on another device is copied there).
         mesh, spec: the global array's sharding; `spec[axis]` names the mesh axis split along `axis`.
         axis: the split dimension; the global size is the shard size times the mesh axis size.
+            None: nothing is split (spec P()), each shard is a full copy of a replicated array.
     """
     # Each shard is imported on its own process-local device (one stream handshake per device).
     # Shards of one torch device bound for several mesh devices (simulated CPU devices) are copied.
@@ -113,7 +114,8 @@ def global_from_shards(shards: Sequence[torch.Tensor], mesh: Mesh, spec: P, axis
     arrays = [x if x.devices() == {target} else jax.device_put(x, target)
               for x, target in zip(to_jax(list(shards)), targets)]
     shape = list(arrays[0].shape)
-    shape[axis] *= mesh.shape[spec[axis]]
+    if axis is not None:
+        shape[axis] *= mesh.shape[spec[axis]]
     return jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, spec), arrays)
 
 

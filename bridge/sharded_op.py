@@ -12,14 +12,17 @@ Each positional argument is None or a floating-point or integer tensor, given in
   * a list of this process's shards, one per local device of the mesh in mesh order (several
     processes each pass their own): they are assembled zero-copy into one global array, and each
     output comes back as a list of shards on the same devices.
-Argument i is split along dimension `in_dims[i]`, output j along `out_dims[j]`.
+Argument i is split along dimension `in_dims[i]`, output j along `out_dims[j]`. An `in_dims` entry
+None makes that argument replicated: every device gets all of it (in shard form, pass one copy per
+local device), and it gets no gradient (the backward returns none for it).
 
 `mesh` is static: (the JAX device ids of the mesh in order, the mesh axis name). The JAX functions
 receive the `jax.sharding.Mesh` built from it as their `mesh` keyword argument, and the other
 static keyword arguments (hashable constants, as for `jax_op`):
     fn(*arrays, mesh=..., **static) -> `num_outputs` global arrays
     backward(*arrays, *outputs, *output_cotangents, mesh=..., **static) -> one gradient per
-        floating-point tensor argument, in order (missing output cotangents are zeros)
+        floating-point tensor argument that is not replicated, in order (missing output cotangents
+        are zeros)
 
 Both run jitted on global arrays (JAX's collectives move data between devices and processes).
 Two custom ops carry every such function, by name, and the call, by its `CallSpec` key, with fake
@@ -79,7 +82,8 @@ class ShardedJaxOp:
         backward: its gradient function (see the module docstring).
         name: unique name; identifies the function inside the custom ops.
         num_outputs: number of arrays `fn` returns (a tuple when > 1).
-        in_dims: per positional argument, the dimension split over the mesh.
+        in_dims: per positional argument, the dimension split over the mesh, or None: replicated
+            (no gradient).
         out_dims: per output, the dimension split over the mesh.
         module: the module that creates the op, imported by a process unpickling it (default:
             `fn`'s module).
@@ -164,10 +168,18 @@ def _partition(ndim: int, dim: int, axis: str) -> P:
 
 
 def _import(groups, dims, shards: int, mesh: Mesh) -> list[jax.Array]:
-    """Torch tensors (one whole tensor, or this process's shards, per group) -> global JAX arrays."""
+    """Torch tensors (one whole tensor, or this process's shards, per group) -> global JAX arrays
+    (dim None: replicated, from one whole tensor or one copy per local device)."""
     axis = mesh.axis_names[0]
     arrays = []
     for group, dim in zip(groups, dims):
+        if dim is None:
+            if shards == 0:
+                (x,) = to_jax([group[0]])
+                arrays.append(jax.device_put(x, NamedSharding(mesh, P())))
+            else:
+                arrays.append(global_from_shards(group, mesh, P(), None))
+            continue
         spec = _partition(group[0].dim(), dim, axis)
         if shards == 0:
             (x,) = to_jax([group[0]])
@@ -187,6 +199,14 @@ def _export(arrays, dims, shards: int, device: torch.device) -> list[torch.Tenso
         else:
             result.extend(torch_shards(x, dim))
     return result
+
+
+def _gets_grad(op: "ShardedJaxOp", spec: CallSpec, tensors: Sequence[torch.Tensor], shards: int) -> list[bool]:
+    """Per input tensor of a call (flat, shards of one argument together): whether it gets a
+    gradient (floating point and not replicated)."""
+    per = max(shards, 1)
+    return [t.dtype.is_floating_point and op.in_dims[pos] is not None
+            for g, pos in enumerate(spec.present) for t in tensors[g * per:(g + 1) * per]]
 
 
 def _arguments(spec: CallSpec, arrays: list) -> list:
@@ -219,7 +239,7 @@ def _sharded_call_fake(tensors, op, spec, shards):
     structs = []
     for pos, group in zip(call_spec.present, groups):
         shape = list(group[0].shape)
-        if shards:
+        if shards and jop.in_dims[pos] is not None:
             shape[jop.in_dims[pos]] *= size
         structs.append(jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(group[0].dtype)))
     outs = jax.eval_shape(forward, *_arguments(call_spec, structs))
@@ -243,22 +263,23 @@ def _sharded_call_backward(tensors: list[torch.Tensor], op: str, spec: str, shar
     in_dims = [jop.in_dims[i] for i in call_spec.present]
     arrays = _import(groups, in_dims + list(jop.out_dims) * 2, shards, mesh)
     grads = backward(*_arguments(call_spec, arrays[:n_args]), *arrays[n_args:])
-    grad_dims = [d for d, g in zip(in_dims, groups) if g[0].dtype.is_floating_point]
+    grad_dims = [d for d, g in zip(in_dims, groups) if g[0].dtype.is_floating_point and d is not None]
     return _export(grads, grad_dims, shards, tensors[0].device)
 
 
 @_sharded_call_backward.register_fake
 def _sharded_call_backward_fake(tensors, op, spec, shards):
     call_spec = lookup(spec)
-    n_in = len(call_spec.present) * max(shards, 1)
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors[:n_in]
-            if t.dtype.is_floating_point]
+    inputs = tensors[:len(call_spec.present) * max(shards, 1)]
+    return [torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t, grad in zip(inputs, _gets_grad(_registered(op), call_spec, inputs, shards)) if grad]
 
 
 def _setup_context(ctx, inputs, output):
     tensors, op, spec, shards = inputs
     ctx.op, ctx.spec, ctx.shards, ctx.n_in = op, spec, shards, len(tensors)
-    ctx.differentiable = [i for i, t in enumerate(tensors) if t.dtype.is_floating_point]
+    grads = _gets_grad(_registered(op), lookup(spec), tensors, shards)
+    ctx.differentiable = [i for i, grad in enumerate(grads) if grad]
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*tensors, *output)
 

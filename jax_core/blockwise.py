@@ -12,6 +12,9 @@ Two layers:
   statistics (backward, flash-attention style: P = exp(s - lse), dS = P * (dP - Delta)). Ring
   attention runs these on each K/V block that reaches a device and merges the partial results.
 
+ALiBi in `block_forward` / `block_backward` (`BlockAlibi`) comes with the tokens' positions, so a
+block of a longer sequence (a ring step) adds -slope * |q_pos - k_pos| of its global positions.
+
 Visibility inside a block is a `Band`: query row i sees key column j iff lo <= j - i <= hi (either
 bound may be None = unbounded), intersected with segment ids (equal ids only) and, for padded
 inputs, a key-count limit. Causal top-left is Band(None, 0); a sliding window (left, right) around
@@ -30,6 +33,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from .masks import alibi_from_positions
+
 
 class Band(NamedTuple):
     """Keys j visible from query row i: lo <= j - i <= hi; None means unbounded on that side."""
@@ -39,6 +44,20 @@ class Band(NamedTuple):
 
 
 FULL = Band(None, None)
+
+
+class BlockAlibi(NamedTuple):
+    """ALiBi of one block: -slopes * |q_pos[i] - k_pos[j]| joins each logit after scale and soft cap.
+
+    Attributes:
+        slopes: (1|B, Hq) float slopes (no gradient).
+        q_pos: (T,) integer positions of the block's queries (plus S - T for flash-attn's
+            bottom-right distance); k_pos: (S,) integer positions of its keys.
+    """
+
+    slopes: jax.Array
+    q_pos: jax.Array
+    k_pos: jax.Array
 
 
 class Carry(NamedTuple):
@@ -68,6 +87,23 @@ def _scores(qc, kc, scale, softcap, precision):
         cap = jnp.asarray(softcap, s.dtype)
         s = cap * jnp.tanh(s / cap)
     return s
+
+
+def _alibi_tile(alibi: Optional[BlockAlibi], q_start, cq: int, k_start, ck: int, hk: int, dtype):
+    """(1|B, Hk, G, cq, ck) ALiBi of a tile of the padded block, or None."""
+    if alibi is None:
+        return None
+    qp = jax.lax.dynamic_slice_in_dim(alibi.q_pos, q_start, cq)
+    kp = jax.lax.dynamic_slice_in_dim(alibi.k_pos, k_start, ck)
+    bias = alibi_from_positions(alibi.slopes, qp, kp, dtype)
+    return bias.reshape(bias.shape[0], hk, bias.shape[1] // hk, cq, ck)
+
+
+def _padded_alibi(alibi: Optional[BlockAlibi], tq: int, tk: int) -> Optional[BlockAlibi]:
+    """Positions padded to the chunked lengths (padded rows and keys are never visible)."""
+    if alibi is None:
+        return None
+    return alibi._replace(q_pos=_pad_to(alibi.q_pos, 0, tq), k_pos=_pad_to(alibi.k_pos, 0, tk))
 
 
 def _visible(q_idx, k_idx, band: Band, q_seg, k_seg, kv_len):
@@ -177,6 +213,7 @@ def block_forward(
     chunk_k: int = 512,
     compute_dtype: Any = jnp.float32,
     precision: Any = None,
+    alibi: Optional[BlockAlibi] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of a query block against one key/value block, chunk by chunk.
 
@@ -190,6 +227,7 @@ def block_forward(
         chunk_q, chunk_k: tile sizes (clamped to T and S; lengths are padded up to multiples).
         compute_dtype: dtype of logits, softmax and accumulators (float32, or float64).
         precision: `jax.lax.Precision` of the products.
+        alibi: ALiBi slopes and the block's token positions (`BlockAlibi`), or None.
 
     Returns:
         (out (B, T, Hq, Dv) in compute_dtype, lse (B, Hq, T) in compute_dtype; 0 / -inf for rows
@@ -209,6 +247,7 @@ def block_forward(
     if segment_ids is not None:
         q_seg = _pad_to(segment_ids[0], 1, nq * cq)
         k_seg = _pad_to(segment_ids[1], 1, nk * ck)
+    alibi = _padded_alibi(alibi, nq * cq, nk * ck)
 
     def q_chunk(qi):
         q_start = qi * cq
@@ -224,6 +263,9 @@ def block_forward(
                 vc = jax.lax.dynamic_slice_in_dim(v, k_start, ck, axis=1)
                 ks = None if k_seg is None else jax.lax.dynamic_slice_in_dim(k_seg, k_start, ck, axis=1)
                 sc = _scores(qc, kc, scale, softcap, precision)
+                bias = _alibi_tile(alibi, q_start, cq, k_start, ck, hk, compute_dtype)
+                if bias is not None:
+                    sc = sc + bias
                 vis = _visible(q_idx, k_start + jnp.arange(ck), band, qs, ks, kv_len)
                 return _online_update(carry, sc, vis, vc, precision=precision)
 
@@ -257,6 +299,7 @@ def block_backward(
     chunk_k: int = 512,
     compute_dtype: Any = jnp.float32,
     precision: Any = None,
+    alibi: Optional[BlockAlibi] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of one query block against one key/value block, given global row statistics.
 
@@ -270,8 +313,8 @@ def block_backward(
         dout: (B, T, Hq, Dv) output cotangent.
         lse: (B, Hq, T) log-sum-exp of the full attention rows (-inf for rows that see nothing).
         delta: (B, Hq, T) rowsum(dout * out) minus the LSE cotangent.
-        scale, band, softcap, segment_ids, kv_len, chunk_q, chunk_k, compute_dtype, precision: as
-            in `block_forward`.
+        scale, band, softcap, segment_ids, kv_len, chunk_q, chunk_k, compute_dtype, precision,
+            alibi: as in `block_forward`.
 
     Returns:
         (dq (B, T, Hq, D), dk (B, S, Hk, D), dv (B, S, Hk, Dv)) in compute_dtype.
@@ -293,6 +336,7 @@ def block_backward(
     if segment_ids is not None:
         q_seg = _pad_to(segment_ids[0], 1, nq * cq)
         k_seg = _pad_to(segment_ids[1], 1, nk * ck)
+    alibi = _padded_alibi(alibi, nq * cq, nk * ck)
 
     def q_step(dkv, qi):
         q_start = qi * cq
@@ -312,11 +356,13 @@ def block_backward(
                 vc = jax.lax.dynamic_slice_in_dim(v, k_start, ck, axis=1)
                 ks = None if k_seg is None else jax.lax.dynamic_slice_in_dim(k_seg, k_start, ck, axis=1)
                 sc = _scores(qc, kc, scale, softcap, precision)
+                bias = _alibi_tile(alibi, q_start, cq, k_start, ck, hk, compute_dtype)
+                logits = sc if bias is None else sc + bias  # the soft cap's derivative needs sc alone
                 vis = _visible(q_idx, k_start + jnp.arange(ck), band, qs, ks, kv_len)
                 live = jnp.isfinite(lc)[..., None]
                 if vis is not None:
                     live = live & vis
-                p = jnp.where(live, jnp.exp(sc - jnp.where(jnp.isfinite(lc), lc, 0)[..., None]), 0)
+                p = jnp.where(live, jnp.exp(logits - jnp.where(jnp.isfinite(lc), lc, 0)[..., None]), 0)
                 dp = jnp.einsum("bqhgd,bkhd->bhgqk", doc, vc, precision=precision)
                 ds = p * (dp - dc[..., None])
                 if softcap is not None:

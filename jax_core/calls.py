@@ -133,22 +133,25 @@ def _swap(x):
     return jnp.swapaxes(x, 1, 2)
 
 
-def ring(query, key, value, q_segment_ids, kv_segment_ids, *, mesh, **options):
+def ring(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes=None, *, mesh, **options):
     """Ring attention over the 1-D `mesh` on global (B, Hq, L, E) / (B, Hk, S, E|Ev) arrays sharded
-    along L and S, segment ids (B, L) / (B, S) or None -> (output (B, Hq, L, Ev), float32 LSE (B, Hq, L)).
+    along L and S, segment ids (B, L) / (B, S) or None, replicated ALiBi slopes (Hq,) / (B, Hq) or
+    None -> (output (B, Hq, L, Ev), float32 LSE (B, Hq, L)).
 
     `options` are `ring_attention`'s static keyword arguments (causal, sliding_window, scale, ...).
     """
     segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
     out, lse = ring_attention(_swap(query), _swap(key), _swap(value), segment_ids=segment_ids, return_lse=True,
-                              mesh=mesh, axis_name=mesh.axis_names[0], **options)
+                              alibi_slopes=alibi_slopes, mesh=mesh, axis_name=mesh.axis_names[0], **options)
     return _swap(out), lse
 
 
-def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, out, lse, d_out, d_lse, *, mesh, **options):
+def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes, out, lse, d_out, d_lse, *, mesh,
+                  **options):
     """The gradients (dq, dk, dv) of `ring` from its saved output and LSE and their cotangents (no
-    forward recompute)."""
+    forward recompute; the ALiBi slopes get none)."""
     segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
     grads = ring_attention_backward(_swap(query), _swap(key), _swap(value), _swap(out), lse, _swap(d_out), d_lse,
-                                    segment_ids=segment_ids, mesh=mesh, axis_name=mesh.axis_names[0], **options)
+                                    segment_ids=segment_ids, alibi_slopes=alibi_slopes, mesh=mesh,
+                                    axis_name=mesh.axis_names[0], **options)
     return tuple(_swap(g) for g in grads)

@@ -160,13 +160,11 @@ def alibi_bias(
         float32 (1|B, Hq, T, S) bias; (Hq,) slopes broadcast over the batch. With `cu_seqlens` the
         batch dim is 1 (the packed batch) and sequence n uses slopes[n].
     """
+    if cu_seqlens is None:
+        return alibi_from_positions(slopes, jnp.arange(q_len) + (kv_len - q_len), jnp.arange(kv_len))
     slopes = jax.lax.stop_gradient(jnp.asarray(slopes, jnp.float32))  # ALiBi slopes get no gradient
     if slopes.ndim == 1:
         slopes = slopes[None]
-    if cu_seqlens is None:
-        rows = jnp.arange(q_len)[:, None] + (kv_len - q_len)
-        distance = jnp.abs(rows - jnp.arange(kv_len)[None, :]).astype(jnp.float32)
-        return -slopes[:, :, None, None] * distance[None, None]
     cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in cu_seqlens)
     seq_q, _ = _sequence_of(cu_q, q_len)
     seq_k, _ = _sequence_of(cu_k, kv_len)
@@ -176,3 +174,24 @@ def alibi_bias(
     distance = jnp.abs(rows - keys).astype(jnp.float32)  # (T, S)
     per_row = jnp.broadcast_to(slopes, (cu_q.shape[0] - 1, slopes.shape[-1]))[seq_q]  # (T, Hq)
     return (-per_row.T[:, :, None] * distance[None])[None]
+
+
+def alibi_from_positions(slopes: jax.Array, q_pos: jax.Array, k_pos: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """ALiBi of queries and keys at given positions: -slope * |q_pos[i] - k_pos[j]|.
+
+    For flash-attn's bottom-right distance, q_pos holds each query's position plus S - T. Blocks of
+    a longer sequence (ring attention) pass their tokens' global positions.
+
+    Args:
+        slopes: (Hq,) or (B, Hq) slopes (no gradient flows to them).
+        q_pos: (T,) integer query positions; k_pos: (S,) integer key positions.
+        dtype: float dtype of the result (float32, or float64 for a float64 computation).
+
+    Returns:
+        (1|B, Hq, T, S) bias in `dtype`.
+    """
+    slopes = jax.lax.stop_gradient(jnp.asarray(slopes, dtype))
+    if slopes.ndim == 1:
+        slopes = slopes[None]
+    distance = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(dtype)
+    return -slopes[:, :, None, None] * distance[None, None]

@@ -26,6 +26,12 @@ piece list, so kernels see static masks and fully masked blocks are skipped. GQA
 cap, segment ids and attention sinks are carried through; bias, bool masks, dropout, varlen and
 returning weights are not supported (they raise).
 
+ALiBi (`alibi_slopes`, flash-attn's -slope * |i + S - T - j|) uses global positions too: each
+device derives its queries' positions and those of the block in hand from the layout and its ring
+index (`ring_layout.positions_of_device`), and the XLA block kernel adds the bias per tile
+(`blockwise.BlockAlibi`). The Triton block kernels compute ALiBi only from positions local to
+their call, so a ring with ALiBi runs the XLA block kernel (the default then, on GPU too).
+
 Shape legend: B batch, T query length, S key length, Hq / Hk query / key-value heads, D head dim,
 Dv value head dim. Arrays are (B, T, H, D).
 """
@@ -44,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import ring_layout as rl
 from .base import AttentionImpl, AttentionOutput
-from .blockwise import Band, block_backward, block_forward
+from .blockwise import Band, BlockAlibi, block_backward, block_forward
 from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
@@ -66,6 +72,8 @@ class RingConfig:
         fast_tanh: hardware tanh for the soft cap (Triton, 16-bit inputs, NVIDIA).
         accumulation: dtype of the running output and the dQ / dK / dV accumulators ("float32",
             or "input": the inputs' dtype, see `ring_attention`).
+        alibi_shift: None without ALiBi; else S - T of the unpadded lengths, added to each query's
+            position (flash-attn's bottom-right ALiBi distance).
     """
 
     axis_name: str
@@ -79,6 +87,7 @@ class RingConfig:
     chunk_k: int = 512
     fast_tanh: bool = False
     accumulation: str = "float32"
+    alibi_shift: Optional[int] = None
 
 
 ACCUMULATIONS = ("float32", "input")
@@ -112,28 +121,36 @@ def _triton_config(band: Band, cfg: RingConfig):
                        layout="BTHD", fast_tanh=cfg.fast_tanh)
 
 
-def _block_forward(q, k, v, q_seg, k_seg, band: Band, cfg: RingConfig):
-    """(out (B, Tq, Hq, Dv) float32+, lse (B, Hq, Tq)) of one piece."""
+def _no_triton_alibi(alibi) -> None:
+    if alibi is not None:  # `_prepare` picks the XLA kernel for ALiBi; this guards direct callers
+        raise ValueError("ALiBi in ring attention needs kernel='xla' (the Triton block kernels measure ALiBi "
+                         "distances from positions local to the block, not global ones).")
+
+
+def _block_forward(q, k, v, q_seg, k_seg, alibi, band: Band, cfg: RingConfig):
+    """(out (B, Tq, Hq, Dv) float32+, lse (B, Hq, Tq)) of one piece (`alibi`: a `BlockAlibi` or None)."""
     seg = None if q_seg is None else (q_seg, k_seg)
     if cfg.kernel == "triton":
+        _no_triton_alibi(alibi)
         from .kernels.flash_jax_triton import FlashExtras, flash_block_forward
 
         return flash_block_forward(q, k, v, FlashExtras(segment_ids=seg), _triton_config(band, cfg),
                                    out_dtype=_partial_dtype(q.dtype, cfg))
     return block_forward(q, k, v, scale=cfg.scale, band=band, softcap=cfg.softcap, segment_ids=seg,
-                         chunk_q=cfg.chunk_q, chunk_k=cfg.chunk_k, compute_dtype=_acc_dtype(q.dtype))
+                         chunk_q=cfg.chunk_q, chunk_k=cfg.chunk_k, compute_dtype=_acc_dtype(q.dtype), alibi=alibi)
 
 
-def _block_backward(q, k, v, do, lse, delta, q_seg, k_seg, band: Band, cfg: RingConfig):
+def _block_backward(q, k, v, do, lse, delta, q_seg, k_seg, alibi, band: Band, cfg: RingConfig):
     """(dq, dk, dv) of one piece, float32+ (given the rows' global lse and delta)."""
     seg = None if q_seg is None else (q_seg, k_seg)
     if cfg.kernel == "triton":
+        _no_triton_alibi(alibi)
         from .kernels.flash_jax_triton import FlashExtras, flash_block_backward
 
         return flash_block_backward(q, k, v, do, lse, delta, FlashExtras(segment_ids=seg), _triton_config(band, cfg),
                                     grad_dtype=_partial_dtype(q.dtype, cfg))
     return block_backward(q, k, v, do, lse, delta, scale=cfg.scale, band=band, softcap=cfg.softcap, segment_ids=seg,
-                          chunk_q=cfg.chunk_q, chunk_k=cfg.chunk_k, compute_dtype=_acc_dtype(q.dtype))
+                          chunk_q=cfg.chunk_q, chunk_k=cfg.chunk_k, compute_dtype=_acc_dtype(q.dtype), alibi=alibi)
 
 
 # --- merging partial results -----------------------------------------------------------------------
@@ -157,13 +174,21 @@ def _rows(x, start, length, axis):
     return jax.lax.slice_in_dim(x, start, start + length, axis=axis)
 
 
-def _forward_branch(pieces, acc_out, acc_lse, q, q_seg, k, v, k_seg, *, cfg):
+def _piece_alibi(alibi: Optional[BlockAlibi], p: rl.Piece) -> Optional[BlockAlibi]:
+    """The positions of a piece's query rows and keys (the slopes are the whole call's)."""
+    if alibi is None:
+        return None
+    return alibi._replace(q_pos=_rows(alibi.q_pos, p.q_start, p.q_len, 0),
+                          k_pos=_rows(alibi.k_pos, p.k_start, p.k_len, 0))
+
+
+def _forward_branch(pieces, acc_out, acc_lse, q, q_seg, alibi, k, v, k_seg, *, cfg):
     for p in pieces:
         qs = _rows(q, p.q_start, p.q_len, 1)
         ks, vs = _rows(k, p.k_start, p.k_len, 1), _rows(v, p.k_start, p.k_len, 1)
         qseg = None if q_seg is None else _rows(q_seg, p.q_start, p.q_len, 1)
         kseg = None if k_seg is None else _rows(k_seg, p.k_start, p.k_len, 1)
-        o, l = _block_forward(qs, ks, vs, qseg, kseg, p.band, cfg)
+        o, l = _block_forward(qs, ks, vs, qseg, kseg, _piece_alibi(alibi, p), p.band, cfg)
         o_old, l_old = _rows(acc_out, p.q_start, p.q_len, 1), _rows(acc_lse, p.q_start, p.q_len, 2)
         o_new, l_new = merge_partials(o_old, l_old, o.astype(acc_out.dtype), l.astype(acc_lse.dtype))
         acc_out = jax.lax.dynamic_update_slice_in_dim(acc_out, o_new, p.q_start, axis=1)
@@ -171,14 +196,14 @@ def _forward_branch(pieces, acc_out, acc_lse, q, q_seg, k, v, k_seg, *, cfg):
     return acc_out, acc_lse
 
 
-def _backward_branch(pieces, dq, dk, dv, q, q_seg, do, lse, delta, k, v, k_seg, *, cfg):
+def _backward_branch(pieces, dq, dk, dv, q, q_seg, do, lse, delta, alibi, k, v, k_seg, *, cfg):
     for p in pieces:
         qs, dos = _rows(q, p.q_start, p.q_len, 1), _rows(do, p.q_start, p.q_len, 1)
         ls, ds = _rows(lse, p.q_start, p.q_len, 2), _rows(delta, p.q_start, p.q_len, 2)
         ks, vs = _rows(k, p.k_start, p.k_len, 1), _rows(v, p.k_start, p.k_len, 1)
         qseg = None if q_seg is None else _rows(q_seg, p.q_start, p.q_len, 1)
         kseg = None if k_seg is None else _rows(k_seg, p.k_start, p.k_len, 1)
-        gq, gk, gv = _block_backward(qs, ks, vs, dos, ls, ds, qseg, kseg, p.band, cfg)
+        gq, gk, gv = _block_backward(qs, ks, vs, dos, ls, ds, qseg, kseg, _piece_alibi(alibi, p), p.band, cfg)
         dq = dq.at[:, p.q_start:p.q_start + p.q_len].add(gq.astype(dq.dtype))
         dk = dk.at[:, p.k_start:p.k_start + p.k_len].add(gk.astype(dk.dtype))
         dv = dv.at[:, p.k_start:p.k_start + p.k_len].add(gv.astype(dv.dtype))
@@ -197,7 +222,18 @@ def _next_hop(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def _ring_forward(q, k, v, q_seg, k_seg, cfg: RingConfig):
+def _step_alibi(slopes, q_len: int, kv_len: int, step: int, cfg: RingConfig) -> Optional[BlockAlibi]:
+    """ALiBi of ring step `step` on this device: the global positions of its queries (shifted by
+    S - T) and of the key/value block in hand, that of device (r - step) mod n."""
+    if slopes is None:
+        return None
+    r = jax.lax.axis_index(cfg.axis_name)
+    q_pos = rl.positions_of_device(cfg.layout, cfg.n, q_len, r) + cfg.alibi_shift
+    k_pos = rl.positions_of_device(cfg.layout, cfg.n, kv_len, (r - step) % cfg.n)
+    return BlockAlibi(slopes, q_pos, k_pos)
+
+
+def _ring_forward(q, k, v, q_seg, k_seg, slopes, cfg: RingConfig):
     b, t, hq, _ = q.shape
     acc = _acc_dtype(q.dtype)
     acc_out = jnp.zeros((b, t, hq, v.shape[-1]), _partial_dtype(q.dtype, cfg))
@@ -208,34 +244,37 @@ def _ring_forward(q, k, v, q_seg, k_seg, cfg: RingConfig):
         # Start passing the block on before computing with it: the transfer overlaps the step.
         following = jax.lax.ppermute(block, cfg.axis_name, _next_hop(cfg.n)) if step + 1 < cfg.n else None
         plan = rl.plan_step(step, cfg.n, cfg.layout, t, k.shape[1], cfg.rule)
-        acc_out, acc_lse = _run_plan(plan, branch, cfg.axis_name, acc_out, acc_lse, q, q_seg, *block)
+        alibi = _step_alibi(slopes, t, k.shape[1], step, cfg)
+        acc_out, acc_lse = _run_plan(plan, branch, cfg.axis_name, acc_out, acc_lse, q, q_seg, alibi, *block)
         block = following
     return acc_out.astype(q.dtype), acc_lse.astype(jnp.promote_types(jnp.float32, q.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def ring_core(q, k, v, q_seg, k_seg, cfg: RingConfig):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def ring_core(q, k, v, q_seg, k_seg, slopes, cfg: RingConfig):
     """Ring attention on this device's shards (call inside `shard_map` over `cfg.axis_name`).
 
     Args:
         q: (B, T, Hq, D) local query shard. k: (B, S, Hk, D), v: (B, S, Hk, Dv) local key/value
             shards. All in `cfg.layout` order.
         q_seg, k_seg: (B, T) / (B, S) int32 segment ids of the shards, or None.
+        slopes: (B|1, Hq) float32 ALiBi slopes (this device's batch rows and heads; with
+            `cfg.alibi_shift` set), or None. They get a zero gradient.
         cfg: static settings.
 
     Returns:
         (out (B, T, Hq, Dv) in q's dtype, lse (B, Hq, T) float32; -inf for rows that see nothing).
     """
-    return _ring_forward(q, k, v, q_seg, k_seg, cfg)
+    return _ring_forward(q, k, v, q_seg, k_seg, slopes, cfg)
 
 
-def _ring_vjp_fwd(q, k, v, q_seg, k_seg, cfg):
-    out, lse = _ring_forward(q, k, v, q_seg, k_seg, cfg)
-    return (out, lse), (q, k, v, q_seg, k_seg, out, lse)
+def _ring_vjp_fwd(q, k, v, q_seg, k_seg, slopes, cfg):
+    out, lse = _ring_forward(q, k, v, q_seg, k_seg, slopes, cfg)
+    return (out, lse), (q, k, v, q_seg, k_seg, slopes, out, lse)
 
 
 def _ring_vjp_bwd(cfg, residuals, cotangents):
-    q, k, v, q_seg, k_seg, out, lse = residuals
+    q, k, v, q_seg, k_seg, slopes, out, lse = residuals
     do, dlse = cotangents
     acc = _acc_dtype(q.dtype)
     # Delta = rowsum(dO * O) minus the LSE cotangent (d lse / d logit = P), per row (B, Hq, T).
@@ -252,11 +291,13 @@ def _ring_vjp_bwd(cfg, residuals, cotangents):
     for step in range(cfg.n):
         following = jax.lax.ppermute(block, cfg.axis_name, _next_hop(cfg.n)) if step + 1 < cfg.n else None
         plan = rl.plan_step(step, cfg.n, cfg.layout, q.shape[1], k.shape[1], cfg.rule)
-        dq, dk, dv = _run_plan(plan, branch, cfg.axis_name, dq, dk, dv, q, q_seg, do, lse_k, delta_k, *block)
+        alibi = _step_alibi(slopes, q.shape[1], k.shape[1], step, cfg)
+        dq, dk, dv = _run_plan(plan, branch, cfg.axis_name, dq, dk, dv, q, q_seg, do, lse_k, delta_k, alibi, *block)
         # dK / dV accumulators travel with their block; after n hops they are home.
         dk, dv = jax.lax.ppermute((dk, dv), cfg.axis_name, _next_hop(cfg.n))
         block = following
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    dslopes = None if slopes is None else jnp.zeros_like(slopes)  # ALiBi slopes get no gradient
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dslopes
 
 
 ring_core.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
@@ -298,10 +339,11 @@ def _mesh_axis(mesh: Mesh, axis):
     return kept if isinstance(axis, tuple) else kept[0]
 
 
-def default_kernel(platform: str) -> str:
-    """"triton" on GPU, "xla" on CPU; TPU has no ring kernel yet."""
+def default_kernel(platform: str, alibi: bool = False) -> str:
+    """"triton" on GPU (but "xla" for ALiBi, see the module docstring), "xla" on CPU; TPU has no
+    ring kernel yet."""
     if platform == "gpu":
-        return "triton"
+        return "xla" if alibi else "triton"
     if platform == "cpu":
         return "xla"
     raise NotImplementedError(f"ring attention has no block kernel for platform {platform!r} yet "
@@ -330,6 +372,7 @@ def ring_attention(
     chunk_k: int = 512,
     return_lse: bool = False,
     accumulation: str = "float32",
+    alibi_slopes: Optional[jax.Array] = None,
 ):
     """Ring attention of global (B, T, Hq, D) / (B, S, Hk, D) / (B, S, Hk, Dv) arrays.
 
@@ -362,21 +405,25 @@ def ring_attention(
             keeps them, and the block kernels' partial results, in the inputs' dtype: for 16-bit
             inputs about half the ring's accumulator memory and half its gradient traffic, at the
             price of one rounding to that dtype per ring step.
+        alibi_slopes: float (Hq,) or (B, Hq) ALiBi slopes, flash-attn's convention: the logit of
+            query i and key j gets -slope * |i + S - T - j| (global positions, after scale and
+            soft cap). Replicated over the ring axis (split like the batch and heads when those are
+            sharded). No gradient flows to them. Runs the XLA block kernel ("triton" is refused).
 
     Returns:
         (B, T, Hq, Dv) output, or (output, lse) with `return_lse`.
 
     Raises:
-        ValueError: malformed shapes, an unknown layout or kernel, a mask that needs T == S, or
-            lengths that do not fit the layout with `inputs_in_layout`.
+        ValueError: malformed shapes, an unknown layout or kernel, a mask that needs T == S,
+            lengths that do not fit the layout with `inputs_in_layout`, or malformed ALiBi slopes.
     """
     prep = _prepare(query, key, value, mesh=mesh, axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap, segment_ids=segment_ids, scale=scale, layout=layout,
                     inputs_in_layout=inputs_in_layout, kernel=kernel, batch_axis=batch_axis, head_axis=head_axis,
-                    chunk_q=chunk_q, chunk_k=chunk_k, accumulation=accumulation)
+                    chunk_q=chunk_q, chunk_k=chunk_k, accumulation=accumulation, alibi_slopes=alibi_slopes)
     t, tp, sp = query.shape[1], prep.tp, prep.sp
     out, lse = _sharded_ring(mesh, prep.cfg, prep.batch, prep.head, not inputs_in_layout)(
-        _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), prep.q_seg, prep.k_seg)
+        _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), prep.q_seg, prep.k_seg, prep.slopes)
     out, lse = out[:, :t], lse[:, :, :t]
     if softmax_aux is not None:
         out, lse = _with_sinks(out, lse, softmax_aux)
@@ -407,6 +454,7 @@ def ring_attention_backward(
     chunk_q: int = 512,
     chunk_k: int = 512,
     accumulation: str = "float32",
+    alibi_slopes: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of `ring_attention` from its saved output and LSE, without recomputing the forward.
 
@@ -423,14 +471,14 @@ def ring_attention_backward(
     prep = _prepare(query, key, value, mesh=mesh, axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap, segment_ids=segment_ids, scale=scale, layout=layout,
                     inputs_in_layout=inputs_in_layout, kernel=kernel, batch_axis=batch_axis, head_axis=head_axis,
-                    chunk_q=chunk_q, chunk_k=chunk_k, accumulation=accumulation)
+                    chunk_q=chunk_q, chunk_k=chunk_k, accumulation=accumulation, alibi_slopes=alibi_slopes)
     t, s, tp, sp = query.shape[1], key.shape[1], prep.tp, prep.sp
     if dlse is None:
         dlse = jnp.zeros(lse.shape, lse.dtype)
     # Padded query rows get lse = -inf and zero cotangents: they contribute nothing.
     pad_rows = lambda x, value=0: jnp.pad(x, [(0, 0), (0, 0), (0, tp - t)], constant_values=value)  # noqa: E731
     grads = _sharded_ring_backward(mesh, prep.cfg, prep.batch, prep.head, not inputs_in_layout)(
-        _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), prep.q_seg, prep.k_seg,
+        _pad_seq(query, tp), _pad_seq(key, sp), _pad_seq(value, sp), prep.q_seg, prep.k_seg, prep.slopes,
         _pad_seq(out, tp), pad_rows(lse, -jnp.inf), _pad_seq(dout, tp), pad_rows(dlse))
     dq, dk, dv = grads
     return dq[:, :t], dk[:, :s], dv[:, :s]
@@ -444,6 +492,7 @@ class _Prepared(NamedTuple):
     k_seg: Optional[jax.Array]
     batch: Any
     head: Any
+    slopes: Optional[jax.Array]  # (B, Hq) float32 ALiBi slopes, or None
 
 
 def use_gspmd_on_gpu(platform: str) -> bool:
@@ -463,8 +512,22 @@ def use_gspmd_on_gpu(platform: str) -> bool:
     return True
 
 
+def _alibi_slopes(alibi_slopes, b: int, hq: int) -> Optional[jax.Array]:
+    """Checked ALiBi slopes as a (B, Hq) float32 array (one row per batch row, so they shard like the
+    batch), or None."""
+    if alibi_slopes is None:
+        return None
+    shape = tuple(getattr(alibi_slopes, "shape", ()))
+    dtype = getattr(alibi_slopes, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or shape not in ((hq,), (b, hq)):
+        raise ValueError(f"alibi_slopes: shape {shape} and dtype {dtype or type(alibi_slopes).__name__}; expected a "
+                         f"float array of shape (Hq,)=({hq},) or (B, Hq)=({b}, {hq}), one slope per query head.")
+    return jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (b, hq))
+
+
 def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logits_soft_cap, segment_ids, scale,
-             layout, inputs_in_layout, kernel, batch_axis, head_axis, chunk_q, chunk_k, accumulation) -> _Prepared:
+             layout, inputs_in_layout, kernel, batch_axis, head_axis, chunk_q, chunk_k, accumulation,
+             alibi_slopes=None) -> _Prepared:
     """Checks a ring call and derives its static config, padded lengths and segment ids."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: expected a jax.sharding.Mesh.")
@@ -484,10 +547,14 @@ def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logi
     layout = layout if layout is not None else rl.default_layout(causal, sliding_window)
     if layout not in rl.LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {rl.LAYOUTS} or None.")
+    slopes = _alibi_slopes(alibi_slopes, b, hq)
     if kernel is None:  # the mesh's devices run the blocks (a traced query knows none of its own)
-        kernel = default_kernel(_platform(mesh.devices.flat[0]))
+        kernel = default_kernel(_platform(mesh.devices.flat[0]), alibi=slopes is not None)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS} or None.")
+    if kernel == "triton" and slopes is not None:
+        raise ValueError("kernel='triton' with alibi_slopes: the Triton block kernels measure ALiBi distances from "
+                         "positions local to each block; pass kernel='xla' (or None) for ALiBi in ring attention.")
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation={accumulation!r}: expected one of {ACCUMULATIONS}.")
     natural = not inputs_in_layout
@@ -508,9 +575,9 @@ def _prepare(query, key, value, *, mesh, axis_name, causal, sliding_window, logi
         axis_name=axis_name, n=n, layout=layout, rule=rule, scale=float(scale if scale is not None else d ** -0.5),
         softcap=None if logits_soft_cap is None else float(logits_soft_cap), kernel=kernel,
         chunk_q=chunk_q, chunk_k=chunk_k, fast_tanh=kernel == "triton" and jnp.dtype(query.dtype).itemsize < 4,
-        accumulation=accumulation,
+        accumulation=accumulation, alibi_shift=None if slopes is None else s - t,
     )
-    return _Prepared(cfg, tp, sp, q_seg, k_seg, _mesh_axis(mesh, batch_axis), _mesh_axis(mesh, head_axis))
+    return _Prepared(cfg, tp, sp, q_seg, k_seg, _mesh_axis(mesh, batch_axis), _mesh_axis(mesh, head_axis), slopes)
 
 
 
@@ -540,22 +607,23 @@ def _sharded_ring(mesh: Mesh, cfg: RingConfig, batch, head, permute: bool):
     qkv_spec = P(batch, axis, head, None)
     seg_spec = P(batch, axis)
 
-    def body(q, k, v, q_seg, k_seg):
+    def body(q, k, v, q_seg, k_seg, slopes):
         if permute:
             q, k, v = (rl.to_layout_sharded(x, axis, n, layout) for x in (q, k, v))
             if q_seg is not None:
                 q_seg, k_seg = (rl.to_layout_sharded(x, axis, n, layout) for x in (q_seg, k_seg))
-        out, lse = ring_core(q, k, v, q_seg, k_seg, cfg)
+        out, lse = ring_core(q, k, v, q_seg, k_seg, slopes, cfg)
         if permute:
             out = rl.from_layout_sharded(out, axis, n, layout)
             lse = rl.from_layout_sharded(lse, axis, n, layout, axis=2)
         return out, lse
 
-    def run(q, k, v, q_seg, k_seg):
+    def run(q, k, v, q_seg, k_seg, slopes):
         segs = (None, None) if q_seg is None else (seg_spec, seg_spec)
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, *segs),
+        slope_spec = None if slopes is None else P(batch, head)  # replicated over the ring axis
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, *segs, slope_spec),
                            out_specs=(qkv_spec, P(batch, head, axis)), check_vma=False)
-        return fn(q, k, v, q_seg, k_seg)
+        return fn(q, k, v, q_seg, k_seg, slopes)
 
     return jax.jit(run)
 
@@ -566,7 +634,7 @@ def _sharded_ring_backward(mesh: Mesh, cfg: RingConfig, batch, head, permute: bo
     n, layout, axis = cfg.n, cfg.layout, cfg.axis_name
     qkv_spec, seg_spec, row_spec = P(batch, axis, head, None), P(batch, axis), P(batch, head, axis)
 
-    def body(q, k, v, q_seg, k_seg, out, lse, do, dlse):
+    def body(q, k, v, q_seg, k_seg, slopes, out, lse, do, dlse):
         to = functools.partial(rl.to_layout_sharded, axis_name=axis, n=n, layout=layout)
         back = functools.partial(rl.from_layout_sharded, axis_name=axis, n=n, layout=layout)
         if permute:
@@ -574,23 +642,26 @@ def _sharded_ring_backward(mesh: Mesh, cfg: RingConfig, batch, head, permute: bo
             lse, dlse = (to(x, axis=2) for x in (lse, dlse))
             if q_seg is not None:
                 q_seg, k_seg = (to(x) for x in (q_seg, k_seg))
-        dq, dk, dv, _, _ = _ring_vjp_bwd(cfg, (q, k, v, q_seg, k_seg, out, lse), (do, dlse))
+        dq, dk, dv, _, _, _ = _ring_vjp_bwd(cfg, (q, k, v, q_seg, k_seg, slopes, out, lse), (do, dlse))
         if permute:
             dq, dk, dv = (back(x) for x in (dq, dk, dv))
         return dq, dk, dv
 
-    def run(q, k, v, q_seg, k_seg, out, lse, do, dlse):
+    def run(q, k, v, q_seg, k_seg, slopes, out, lse, do, dlse):
         segs = (None, None) if q_seg is None else (seg_spec, seg_spec)
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv_spec,) * 3 + segs + (qkv_spec, row_spec, qkv_spec, row_spec),
+        slope_spec = None if slopes is None else P(batch, head)
+        fn = jax.shard_map(body, mesh=mesh,
+                           in_specs=(qkv_spec,) * 3 + segs + (slope_spec, qkv_spec, row_spec, qkv_spec, row_spec),
                            out_specs=(qkv_spec,) * 3, check_vma=False)
-        return fn(q, k, v, q_seg, k_seg, out, lse, do, dlse)
+        return fn(q, k, v, q_seg, k_seg, slopes, out, lse, do, dlse)
 
     return jax.jit(run)
 
 
 # --- the registered implementation -----------------------------------------------------------------
 
-_FEATURES = frozenset({"causal", "gqa", "sliding_window", "softcap", "sinks", "segment_ids", "lse", "backward"})
+_FEATURES = frozenset({"causal", "gqa", "sliding_window", "softcap", "sinks", "segment_ids", "lse", "backward",
+                       "alibi"})
 
 
 def sequence_axis_size(metadata: Optional[AttentionMetadata]) -> int:
@@ -621,6 +692,11 @@ class RingAttn(AttentionImpl):
         return "ring"
 
     @classmethod
+    def takes_alibi_slopes(cls, inputs: AttentionInputs) -> bool:
+        """The ring's XLA block kernel adds ALiBi from global positions (no bias matrix)."""
+        return True
+
+    @classmethod
     def extra_reasons(cls, inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:
         reasons = []
         if metadata.mesh is None:
@@ -632,7 +708,7 @@ class RingAttn(AttentionImpl):
         if positional and inputs.q_len != inputs.kv_len:
             reasons.append(f"{'/'.join(sorted(positional))} needs q_len == kv_len in ring attention, got "
                            f"{inputs.q_len} and {inputs.kv_len}")
-        if inputs.platform == "gpu":
+        if inputs.platform == "gpu" and "alibi" not in inputs.features:  # ALiBi runs the XLA block kernel
             reasons += missing_gpu_packages()
             if inputs.dtype == "float64":
                 reasons.append("dtype float64 not supported by the GPU kernels")
@@ -644,7 +720,7 @@ class RingAttn(AttentionImpl):
 
     def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
                        logits_soft_cap, softmax_aux, dropout_rng, return_weights, segment_ids=None,
-                       cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+                       cu_seqlens=None, max_seqlen=None, alibi_slopes=None) -> AttentionOutput:
         del bias, mask, causal_alignment, dropout_rng, return_weights, cu_seqlens, max_seqlen  # refused by reasons
         md = self.metadata
         pa = md.partition_axis
@@ -654,6 +730,6 @@ class RingAttn(AttentionImpl):
             logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, segment_ids=segment_ids,
             scale=md.scale_for(query.shape[-1]), kernel=None,  # the mesh's devices choose (`default_kernel`)
             batch_axis=pa.batch_axis, head_axis=pa.head_axis, chunk_q=md.blocksize_q, chunk_k=md.blocksize_k,
-            return_lse=True,
+            return_lse=True, alibi_slopes=alibi_slopes,
         )
         return AttentionOutput(attention_outputs=out, lse=lse)

@@ -95,6 +95,19 @@ def shard_positions(layout: Layout, n: int, local_len: int, device: int) -> np.n
     return layout_permutation(local_len * n, n, layout)[device * local_len:(device + 1) * local_len]
 
 
+def positions_of_device(layout: Layout, n: int, local_len: int, device: jax.Array) -> jax.Array:
+    """(local_len,) int32 natural positions of a shard (as `shard_positions`) for a device index
+    that may be traced (`lax.axis_index` inside `shard_map`): arithmetic, no table of the sequence."""
+    i = jnp.arange(local_len, dtype=jnp.int32)
+    device = jnp.asarray(device, jnp.int32)
+    if layout == "contiguous":
+        return device * local_len + i
+    if layout == "striped":
+        return device + n * i
+    c = local_len // 2  # zigzag: chunk `device` (head), then chunk 2n - 1 - device (tail)
+    return jnp.where(i < c, device * c + i, (2 * n - 1 - device) * c + (i - c))
+
+
 # --- the same permutations inside shard_map -------------------------------------------------------
 
 

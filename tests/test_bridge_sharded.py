@@ -71,6 +71,37 @@ def test_shards_in_shards_out():
     torch.testing.assert_close(torch.cat([t.grad for t in shards], dim=1), ref.grad)
 
 
+def scaled(x, w, *, mesh):
+    """x (B, L, E) split along L, w (E,) replicated: x * w (one output)."""
+    return x * w
+
+
+def scaled_backward(x, w, y, dy, *, mesh):
+    return (dy * w,)  # w is replicated: no gradient
+
+
+SCALED = ShardedJaxOp(scaled, backward=scaled_backward, name="tests.scaled", num_outputs=1, in_dims=(1, None),
+                      out_dims=(1,))
+
+
+def test_replicated_argument():
+    """in_dims None: every device gets all of w (whole tensor, or one copy per device with shards);
+    x gets its gradient, w none."""
+    x, _, (cy, _) = _case()
+    w = torch.tensor([0.5, -2.0, 3.0], requires_grad=True)
+    leaf = x.clone().requires_grad_(True)
+    y = SCALED(leaf, w, mesh=_mesh())
+    torch.testing.assert_close(y, x * w.detach())
+    (y * cy).sum().backward()
+    torch.testing.assert_close(leaf.grad, cy * w.detach())
+    assert w.grad is None
+    shards = [c.clone().requires_grad_(True) for c in x.chunk(4, dim=1)]
+    ys = SCALED(shards, [w.detach()] * 4, mesh=_mesh())
+    torch.testing.assert_close(torch.cat(ys, dim=1), x * w.detach())
+    sum((y_ * c).sum() for y_, c in zip(ys, cy.chunk(4, dim=1))).backward()
+    torch.testing.assert_close(torch.cat([t.grad for t in shards], dim=1), cy * w.detach())
+
+
 def test_compile_fullgraph():
     x, ids, _ = _case()
     mesh = _mesh()

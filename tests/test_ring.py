@@ -64,19 +64,36 @@ def _oracle(q, k, v, cot, seg, aux, **kw):
     return out, lse, grads[:3]
 
 
+def alibi_matrix(slopes: torch.Tensor, t: int, s: int) -> torch.Tensor:
+    """float64 (B|1, Hq, T, S) ALiBi bias written from flash-attn's formula: -slope * |i + S - T - j|."""
+    i = torch.arange(t, dtype=torch.float64).view(t, 1)
+    j = torch.arange(s, dtype=torch.float64).view(1, s)
+    return -slopes.double().reshape(-1, slopes.shape[-1])[:, :, None, None] * (i + (s - t) - j).abs()
+
+
+def _slopes(seed, shape):
+    """Random positive float32 slopes, large enough that ALiBi dominates some logits."""
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) * 0.5 + 0.05
+
+
 def _check_ring(n, *, layout=None, causal=False, window=None, softcap=None, kernel="xla", seed=0, b=2, hq=4, hk=2,
-                t=64, s=None, d=16, segments=False, sinks=False, tol=3e-5):
+                t=64, s=None, d=16, segments=False, sinks=False, tol=3e-5, alibi=None):
+    """`alibi`: None, or the shape of random ALiBi slopes ((Hq,) or (B, Hq))."""
     s = s or t
     q, k, v, cot, seg, aux = _case(seed, b, hq, hk, t, s, d, segments, sinks)
-    out_ref, lse_ref, grads_ref = _oracle(q, k, v, cot, seg, aux, causal=causal, window=window, softcap=softcap)
+    slopes = None if alibi is None else _slopes(seed, alibi)
+    bias = None if slopes is None else alibi_matrix(slopes, t, s)
+    out_ref, lse_ref, grads_ref = _oracle(q, k, v, cot, seg, aux, causal=causal, window=window, softcap=softcap,
+                                          bias=bias)
     mesh = _mesh(n)
     seg_j = None if seg is None else tuple(jnp.asarray(x.numpy(), jnp.int32) for x in seg)
     aux_j = None if aux is None else jnp.asarray(aux.numpy(), jnp.float32)
+    slopes_j = None if slopes is None else jnp.asarray(slopes.numpy())
 
     def f(q_, k_, v_):
         return ring_attention(q_, k_, v_, mesh=mesh, causal=causal, sliding_window=window, logits_soft_cap=softcap,
                               segment_ids=seg_j, softmax_aux=aux_j, layout=layout, kernel=kernel, chunk_q=16,
-                              chunk_k=16, return_lse=True)
+                              chunk_k=16, return_lse=True, alibi_slopes=slopes_j)
 
     qj, kj, vj = _j(q), _j(k), _j(v)
     out, lse = f(qj, kj, vj)
@@ -123,6 +140,64 @@ def test_ring_gqa_awkward_lengths_and_features():
 def test_ring_cross_attention_uneven_lengths_and_bidirectional_window():
     _check_ring(4, causal=False, t=40, s=52, seed=6, hq=6, hk=3)  # padded keys hidden by segment ids
     _check_ring(8, layout="striped", causal=False, window=(5, 3), segments=True, t=64, seed=7)
+
+
+@pytest.mark.parametrize("n,layout,causal,slopes", [
+    (2, "zigzag", True, (4,)),
+    (4, "striped", True, (2, 4)),
+    pytest.param(4, "zigzag", True, (2, 4), marks=THOROUGH),
+    pytest.param(2, "contiguous", True, (4,), marks=THOROUGH),
+    pytest.param(4, "contiguous", False, (2, 4), marks=THOROUGH),
+    pytest.param(2, "striped", False, (4,), marks=THOROUGH),
+    pytest.param(4, "zigzag", False, (4,), marks=THOROUGH),
+])
+def test_ring_alibi_matches_reference(n, layout, causal, slopes):
+    """ALiBi over global positions in every layout: a block's bias depends on where its tokens sit
+    in the whole sequence, not in the shard (GQA 4/2 heads, head dim 16, forward, LSE and gradients)."""
+    _check_ring(n, layout=layout, causal=causal, alibi=slopes, seed=30 + n + len(layout), t=16 * n)
+
+
+@THOROUGH  # two more sharded compilations, with padding
+def test_ring_alibi_awkward_lengths():
+    """T=97, S=97 padded to a multiple of 2n (zigzag, causal, MQA, head dim 32, window, soft cap), and
+    cross attention T=40, S=52 (the bottom-right shift S - T, padded keys hidden)."""
+    _check_ring(4, layout="zigzag", causal=True, window=(9, -1), softcap=3.0, alibi=(1, 4), seed=40, b=1, hq=4, hk=1,
+                t=97, d=32)
+    _check_ring(4, causal=False, t=40, s=52, alibi=(2, 6), seed=41, hq=6, hk=3)
+
+
+def test_ring_alibi_positions_and_refusals():
+    """Traced shard positions equal the layout's permutation; malformed slopes and the Triton block
+    kernel (local ALiBi distances only) are refused with the reason; the registered ring declares ALiBi."""
+    for layout in rl.LAYOUTS:
+        for n, local in ((2, 8), (4, 6)):
+            for d in range(n):
+                np.testing.assert_array_equal(rl.positions_of_device(layout, n, local, jnp.int32(d)),
+                                              rl.shard_positions(layout, n, local, d))
+    q = jnp.ones((2, 16, 4, 8))
+    mesh = _mesh(2)
+    with pytest.raises(ValueError, match=r"alibi_slopes: shape \(3,\).*\(Hq,\)=\(4,\) or \(B, Hq\)=\(2, 4\)"):
+        ring_attention(q, q, q, mesh=mesh, alibi_slopes=jnp.ones(3))
+    with pytest.raises(ValueError, match="alibi_slopes: shape \\(4,\\) and dtype int32"):
+        ring_attention(q, q, q, mesh=mesh, alibi_slopes=jnp.ones(4, jnp.int32))
+    with pytest.raises(ValueError, match="kernel='triton' with alibi_slopes"):
+        ring_attention(q, q, q, mesh=mesh, kernel="triton", alibi_slopes=jnp.ones(4))
+    inputs = AttentionInputs.from_arrays(q, q, q, platform="cpu", backend="cpu", causal=True, alibi=True)
+    assert AttentionRegistry.get("ring").not_supported_reasons(inputs, AttentionMetadata(mesh=mesh)) == []
+
+
+def test_ring_alibi_through_attention_with_batch_sharding():
+    """`attention(..., alibi_slopes=)` selects the ring and hands it the slopes; (B, Hq) slopes are
+    split like the batch over a "dp" axis while the sequence rings over "sp"."""
+    mesh = _mesh(8, ("dp", "sp"), (2, 4))
+    md = AttentionMetadata(mesh=mesh, partition_axis=PartitionAxis(batch_axis="dp", head_axis="tp"))
+    q, k, v, _, _, _ = _case(42, 2, 4, 2, 64, 64, 16)
+    slopes = _slopes(42, (2, 4))
+    out = attention(_j(q), _j(k), _j(v), causal=True, metadata=md, return_lse=True,
+                    alibi_slopes=jnp.asarray(slopes.numpy()))
+    ref, lse_ref = reference(q, k, v, causal=True, bias=alibi_matrix(slopes, 64, 64))
+    _close(_t(out.attention_outputs), ref, 2e-5)
+    _close(out.lse, lse_ref, 2e-5)
 
 
 @pytest.mark.parametrize("n", [pytest.param(2, marks=THOROUGH), pytest.param(8, marks=THOROUGH)])
@@ -411,6 +486,38 @@ def test_torch_ring_accumulation_input_bf16():
         assert_dtype_rule(name, mine, exact, torch_bf16, floor=1e-3)
     with pytest.raises(AttentionInputError, match="accumulation='half'"):
         torch_ring(q, k, v, is_causal=True, mesh=_mesh(2), accumulation="half")
+
+
+def test_torch_ring_alibi_full_tensors_and_shards():
+    """torch ring_attention(alibi_slopes=): (Hq,) slopes on full tensors and (B, Hq) slopes with
+    per-device shards, outputs and gradients against the float64 oracle; slopes get no gradient;
+    malformed slopes are refused naming the argument."""
+    from jaxattn.torch_api import AttentionInputError
+    from jaxattn.torch_api import ring_attention as torch_ring
+
+    q, k, v, cot = _torch_case(18, length=48)
+    for slopes, form in ((_slopes(18, (4,)), "full"), (_slopes(19, (1, 4)), "shards")):
+        slopes.requires_grad_(True)
+        out_ref, _, grads_ref = _torch_oracle(q, k, v, cot, causal=True, bias=alibi_matrix(slopes.detach(), 48, 48))
+        if form == "full":
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            out = torch_ring(*leaves, is_causal=True, mesh=_mesh(4), alibi_slopes=slopes)
+            (out * cot).sum().backward()
+            grads = [x.grad for x in leaves]
+        else:
+            shards = [[c.clone().requires_grad_(True) for c in x.chunk(4, dim=2)] for x in (q, k, v)]
+            outs = torch_ring(*shards, is_causal=True, alibi_slopes=slopes)
+            sum((o * c).sum() for o, c in zip(outs, cot.chunk(4, dim=2))).backward()
+            out = torch.cat(outs, dim=2)
+            grads = [torch.cat([s.grad for s in group], dim=2) for group in shards]
+        torch.testing.assert_close(out.double(), out_ref, atol=2e-5, rtol=2e-5)
+        for g, gr in zip(grads, grads_ref):
+            torch.testing.assert_close(g.double(), gr, atol=5e-5, rtol=5e-5)
+        assert slopes.grad is None
+    with pytest.raises(AttentionInputError, match=r"alibi_slopes: got .*\(B, Hq\)=\(1, 4\)"):
+        torch_ring(q, k, v, mesh=_mesh(2), alibi_slopes=torch.ones(1, 2))
+    with pytest.raises(AttentionInputError, match="alibi_slopes: got .*float64"):
+        torch_ring(q, k, v, mesh=_mesh(2), alibi_slopes=torch.ones(4, dtype=torch.float64))
 
 
 def test_torchrun_settings():

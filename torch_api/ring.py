@@ -37,15 +37,15 @@ from ..jax_core import calls
 from ..jax_core.ring import ACCUMULATIONS
 from ..jax_core.ring_layout import LAYOUTS
 from .flash import _check_flag, _check_options, check_same_batch
-from .validation import AttentionInputError, check_finite, check_qkv
+from .validation import AttentionInputError, check_alibi, check_finite, check_qkv
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
-#: (q, k, v, q_ids, kv_ids) split along their sequence dims -> (output, LSE) split the same way;
-#: the backward is a ring too, from the saved output and LSE.
+#: (q, k, v, q_ids, kv_ids) split along their sequence dims, ALiBi slopes replicated -> (output, LSE)
+#: split the same way; the backward is a ring too, from the saved output and LSE.
 _ring_op = ShardedJaxOp(calls.ring, backward=calls.ring_backward, name="jaxattn.ring_attention", num_outputs=2,
-                        in_dims=(2, 2, 2, 1, 1), out_dims=(2, 2), module=__name__)
+                        in_dims=(2, 2, 2, 1, 1, None), out_dims=(2, 2), module=__name__)
 
 
 def _as_list(name: str, x, form: str) -> list[torch.Tensor]:
@@ -74,6 +74,7 @@ def ring_attention(
     inputs_in_layout: bool = False,
     return_lse: bool = False,
     accumulation: Literal["float32", "input"] = "float32",
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Ring attention: the sequence is split over several devices; K/V blocks travel round the ring.
 
@@ -100,6 +101,10 @@ def ring_attention(
             "input" keeps them (and the dK / dV that travel round the ring) in q's dtype: about
             half the accumulator memory and gradient traffic for 16-bit inputs, one rounding per
             ring step.
+        alibi_slopes: float32 (Hq,) or (B, Hq) ALiBi slopes on q's device (shard 0's with shards),
+            flash-attn's convention: the logit of query i and key j gets -slope * |i + S - L - j|, in
+            global positions whatever the layout. Every device gets all of them; no gradient flows
+            to them. The blocks then run on the XLA block kernel (also on GPU).
 
     Returns:
         (B, Hq, L, Ev) output in q's form (a tensor, a list of shards, or this rank's shard); with
@@ -153,17 +158,21 @@ def ring_attention(
             if len(group) != len(qs):
                 raise AttentionInputError(f"segment_ids: {name} has {len(group)} shards, q has {len(qs)}.")
         seg_lists = [[t.to(torch.int32) for t in g] for g in seg_lists]
+    check_alibi(alibi_slopes, qs[0].shape[1], qs[0].shape[0], qs[0].device)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach()  # no gradient, as flash-attn
     if form == "full":
-        check_finite({"q": qs[0], "k": ks[0], "v": vs[0]})
+        check_finite({"q": qs[0], "k": ks[0], "v": vs[0], "alibi_slopes": alibi_slopes})
     options = dict(causal=is_causal, sliding_window=window, logits_soft_cap=softcap,
                    scale=None if scale is None else float(scale), layout=layout,
                    inputs_in_layout=bool(inputs_in_layout), accumulation=accumulation)
     if form == "full":
         q_ids, kv_ids = (None, None) if seg_lists is None else (seg_lists[0][0], seg_lists[1][0])
-        out, lse = _ring_op(qs[0], ks[0], vs[0], q_ids, kv_ids, mesh=(device_ids, axis), **options)
+        out, lse = _ring_op(qs[0], ks[0], vs[0], q_ids, kv_ids, alibi_slopes, mesh=(device_ids, axis), **options)
     else:
         q_ids, kv_ids = (None, None) if seg_lists is None else seg_lists
-        out, lse = _ring_op(qs, ks, vs, q_ids, kv_ids, mesh=(device_ids, axis), **options)
+        slopes = None if alibi_slopes is None else [alibi_slopes.to(t.device) for t in qs]  # a copy per device
+        out, lse = _ring_op(qs, ks, vs, q_ids, kv_ids, slopes, mesh=(device_ids, axis), **options)
         if single:  # this rank's shard
             out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
