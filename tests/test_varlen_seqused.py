@@ -264,6 +264,26 @@ def test_native_launcher_matches_the_float64_reference(monkeypatch, layout, sink
     check(layout, out, lse, ref_out, ref_lse, q_leaves, leaves, gen, tol=1e-4)
 
 
+@pytest.mark.skipif(not can_launch(torch.device("cpu")), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)")
+def test_xla_launcher_flash_kernels_match_the_float64_reference(monkeypatch):
+    """The XLA launcher running jax_core's "flash" implementation (jax-triton, interpreted on CPU):
+    the op is told it runs on a GPU, the only platform with flash kernels."""
+    monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    ops = flash_module._flash_jax, flash_module._flash_lse_jax
+    for name, op in zip(("_flash_jax", "_flash_lse_jax"), ops):
+        monkeypatch.setattr(flash_module, name, lambda *a, op=op, **kw: op(*a, **{**kw, "platform": "gpu"}))
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = inputs(gen, BOTH, 4, 2, 16, 16)
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    slopes = torch.rand(len(LENS_Q), 4, generator=gen)
+    with sdpa_launcher("xla"):
+        out, lse = _flash_with_sinks(BOTH, q, k, v, sinks, window=(5, -1), alibi_slopes=slopes, implementation="flash")
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, sinks)]
+    ref_out, ref_lse = reference(BOTH, *leaves[:3], causal=True, window_size=(5, -1), alibi_slopes=slopes,
+                                 sinks=leaves[3])
+    check(BOTH, out, lse, ref_out, ref_lse, [q, k, v, sinks], leaves, gen, tol=1e-4)
+
+
 def test_dropout_keeps_the_reference_weights_of_the_used_rows():
     """v holds one-hot rows (key j of sequence n: e_j), so out[i, h, j] * (1 - p) is query i's
     weight of its sequence's key j, or 0 where dropped: the kept weights are the reference's, about p
