@@ -376,7 +376,7 @@ def _bad_call(name, value, **kw):
                                       **{name: value}, **kw)
 
 
-def _bad_cases(name, used, side, cu_name, lens):
+def _bad_cases(name, used, side, sides, cu_name, lens):
     """The same malformed values for seqused_q (queries) and seqused_k (keys)."""
     over = list(used)
     over[2] = lens[2] + 1
@@ -392,19 +392,19 @@ def _bad_cases(name, used, side, cu_name, lens):
         (name, torch.tensor(used, dtype=torch.int32, device="meta"), {}, AttentionInputError,
          rf"^{name}: on meta but q is on cpu"),
         (name, torch.tensor(negative, dtype=torch.int32), {}, AttentionInputError,
-         rf"^{name}: values .*, but sequence 1 uses -1 {side}s where {cu_name} gives it {lens[1]}"),
+         rf"^{name}: values .*, but sequence 1 uses -1 {sides} where {cu_name} gives it {lens[1]}"),
         (name, torch.tensor(over, dtype=torch.int32), {}, AttentionInputError,
-         rf"^{name}: values .*sequence 2 uses {over[2]} {side}s where {cu_name} gives it {lens[2]}"),
+         rf"^{name}: values .*sequence 2 uses {over[2]} {sides} where {cu_name} gives it {lens[2]}"),
         (name, torch.tensor(over, dtype=torch.int32), dict(block_table=True), AttentionInputError,
-         rf"^{name}: values .*sequence 2 uses {over[2]} {side}s"),
+         rf"^{name}: values .*sequence 2 uses {over[2]} {sides}"),
         (name, torch.tensor(used, dtype=torch.int32), dict(padded=True), AttentionInputError,
          rf"^{name} \(shape \(5,\).*\): only used with cu_seqlens_q"),
     ]
 
 
 @pytest.mark.parametrize("name,value,kw,error,pattern",
-                         _bad_cases("seqused_k", USED_K, "key", "cu_seqlens_k", LENS_K)
-                         + _bad_cases("seqused_q", USED_Q, "query", "cu_seqlens_q", LENS_Q))
+                         _bad_cases("seqused_k", USED_K, "key", "keys", "cu_seqlens_k", LENS_K)
+                         + _bad_cases("seqused_q", USED_Q, "query", "queries", "cu_seqlens_q", LENS_Q))
 def test_bad_seqused_raises_naming_it(name, value, kw, error, pattern):
     with pytest.raises(error, match=pattern):
         _bad_call(name, value, **kw)

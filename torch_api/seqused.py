@@ -33,14 +33,15 @@ from ..bridge.functorch import is_batched
 from .validation import AttentionInputError, describe
 from .varlen_gaps import gap_alibi, gap_boundaries
 
-_SIDES = {"seqused_q": ("query", "cu_seqlens_q"), "seqused_k": ("key", "cu_seqlens_k")}
+#: per argument: (its rows, singular and plural; the cumulative lengths it refines)
+_SIDES = {"seqused_q": ("query", "queries", "cu_seqlens_q"), "seqused_k": ("key", "keys", "cu_seqlens_k")}
 
 
 def check_seqused(name: str, seqused, cu_seqlens: torch.Tensor, q: torch.Tensor) -> None:
     """`seqused_q` or `seqused_k` (`name`): (N,) int32 (or int64) on q's device; on CPU also
     0 <= seqused[n] <= the length of sequence n in `cu_seqlens` (on CUDA that check would cost a
     host sync)."""
-    side, cu_name = _SIDES[name]
+    side, sides, cu_name = _SIDES[name]
     num_seqs = cu_seqlens.numel() - 1
     want = (f"a 1-D int32 tensor of N={num_seqs} used {side} lengths (one per sequence of {cu_name}) on "
             f"{q.device}, e.g. torch.tensor([3, 0, 7], dtype=torch.int32, device=q.device)")
@@ -60,7 +61,7 @@ def check_seqused(name: str, seqused, cu_seqlens: torch.Tensor, q: torch.Tensor)
     for n, (u, length) in enumerate(zip(used, lengths)):
         if not 0 <= u <= length:
             raise AttentionInputError(
-                f"{name}: values {used}, but sequence {n} uses {u} {side}s where {cu_name} gives it {length}; "
+                f"{name}: values {used}, but sequence {n} uses {u} {sides} where {cu_name} gives it {length}; "
                 f"expected 0 <= {name}[n] <= {cu_name}[n + 1] - {cu_name}[n] (lengths {lengths}).")
 
 
