@@ -355,21 +355,19 @@ def flash_attention(
                       _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0]))
     if varlen:
         _check_cu_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], (max_seqlen_q, max_seqlen_k), max_seqlen)
-    used_q = used_k = None  # (total,) bool: rows in use, with seqused_q / seqused_k
+    given_cu_k, used_q = cu_seqlens_k, None  # used_q: (total_q,) bool, the query rows in use
     if seqused_q is not None or seqused_k is not None:  # the same call with the unused rows as gap sequences
-        for name, used, cu in (("seqused_q", seqused_q, cu_seqlens_q), ("seqused_k", seqused_k, cu_seqlens_k)):
-            if used is not None:
-                check_seqused(name, used, cu, q)
         if seqused_q is not None:
+            check_seqused("seqused_q", seqused_q, cu_seqlens_q, q)
             used_q = used_rows(cu_seqlens_q, seqused_q, q.shape[0])
         if seqused_k is not None:
-            used_k = used_rows(cu_seqlens_k, seqused_k, k.shape[0])
+            check_seqused("seqused_k", seqused_k, cu_seqlens_k, q)
         cu_seqlens_q, cu_seqlens_k, alibi_slopes = used_packing(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                                                 alibi_slopes)
     choice = normalize_choice(implementation) if implementation is not None else None
     # unused rows may hold anything: they are checked (and, for the XLA path, zeroed) below
-    check_finite({"q": q if used_q is None else None, "k": k if used_k is None else None,
-                  "v": v if used_k is None else None, "sinks": sinks, "alibi_slopes": alibi_slopes})
+    check_finite({"q": q if seqused_q is None else None, "k": k if seqused_k is None else None,
+                  "v": v if seqused_k is None else None, "sinks": sinks, "alibi_slopes": alibi_slopes})
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=q.device)
@@ -381,12 +379,13 @@ def flash_attention(
                            segments=q_ids is not None,
                            varlen=(max_seqlen or (q.shape[0], k.shape[0])) if varlen else None,
                            alibi=alibi_slopes is not None)
-    if used_k is not None and (native is None or finite_check_reads(k)):
+    if seqused_k is not None and (native is None or finite_check_reads(k)):
+        used_k = used_rows(given_cu_k, seqused_k, k.shape[0])
         zeroed_k, zeroed_v = zero_unused(k, used_k), zero_unused(v, used_k)
         check_finite({"k": zeroed_k, "v": zeroed_v})
         if native is None:
             k, v = zeroed_k, zeroed_v
-    if used_q is not None and (native is None or finite_check_reads(q)):
+    if seqused_q is not None and (native is None or finite_check_reads(q)):
         zeroed_q = zero_unused(q, used_q)
         check_finite({"q": zeroed_q})
         if native is None:
