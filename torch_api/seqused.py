@@ -15,7 +15,9 @@ queries without keys.
     keys (cu_k = [0, 5, 8, 12], seqused_k = [3, 2, 1]):   [ k k k . . | k k . | k . . . ]
     packed sequences:   gap | seq 0 | gap | seq 1 | gap | seq 2      cu_k = [0, 0, 3, 5, 7, 8, 9]
 
-The tail of the last sequence (and any row after cu[N]) lies outside every packed sequence.
+With seqused_q the unused query tails become gaps without keys the same way; with both, each real
+sequence has a key gap and a query gap in front (3N packed sequences). The tail of the last
+sequence (and any row after cu[N]) lies outside every packed sequence.
 The XLA path multiplies every query, key and value by a weight, zero or not, so it gets copies with
 the unused rows zeroed; the native kernels never read those rows. Both paths' outputs pass through
 `hide_unused_queries`, which fixes the unused rows' output and LSE (a query gap row would get the
