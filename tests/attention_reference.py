@@ -10,8 +10,9 @@ What is here:
 * `reference`: attention on (B, H, L, D) tensors with GQA / MQA, a bool mask and an additive bias, the
   positional rules above, a logits soft cap, attention sinks, segment ids and a given dropout keep
   mask; returns the output and the log-sum-exp (and the weights on request);
-* `reference_grads`, `varlen_reference`, `decode_reference`: the same math with gradients, for packed
-  sequences and for ragged (possibly NaN-padded) decode caches;
+* `reference_grads`, `varlen_reference`, `seqused_reference`, `decode_reference`: the same math with
+  gradients, for packed sequences (all their rows, or only the first used ones of each) and for
+  ragged (possibly NaN-padded) decode caches;
 * `decode_alibi`: flash-attn's ALiBi term for ragged decode caches, as an additive bias;
 * `assert_close_finite` and the low-precision rule `assert_dtype_rule` (bf16 / fp16 results: error
   against a high-precision reference at most twice torch's own error in the same dtype, plus a floor).
@@ -197,6 +198,35 @@ def varlen_reference(q, k, v, cu_q, cu_k, *, causal=False, alignment="top_left",
     padding = torch.arange(t_total, device=q.device) >= _ints(cu_q)[-1]
     lse = torch.where(padding, NEG_INF, lse)
     return (out, lse, *rest)
+
+
+def used_rows(cu, used, total: int) -> torch.Tensor:
+    """Indices of the packed rows [cu[n], cu[n] + used[n]) of every sequence n, in order, out of
+    `total` rows (used None: every row of every sequence)."""
+    cu = _ints(cu)
+    used = [b - a for a, b in zip(cu, cu[1:])] if used is None else _ints(used)
+    rows = [r for start, u in zip(cu, used) for r in range(start, start + u)]
+    assert all(0 <= r < total for r in rows)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def seqused_reference(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **kw):
+    """`varlen_reference` where sequence n uses only its first used_q[n] queries and used_k[n] keys
+    (None: all) of its ranges: the sequences are computed on those rows only, packed without the
+    others (so their lengths set the alignment), and the other query rows give 0 and LSE -inf (sinks
+    or not). Unused rows are never read: NaN there reaches no result and no gradient. A `bias`
+    keyword is over the used rows: (1, Hq, sum(used_q), sum(used_k))."""
+    cu_q, cu_k = _ints(cu_q), _ints(cu_k)
+    rows_q, rows_k = used_rows(cu_q, used_q, q.shape[2]), used_rows(cu_k, used_k, k.shape[2])
+    lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])] if used_q is None else _ints(used_q)
+    lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])] if used_k is None else _ints(used_k)
+    packed_q, packed_k = np.cumsum([0] + lens_q).tolist(), np.cumsum([0] + lens_k).tolist()
+    out, lse, *rest = varlen_reference(q[:, :, rows_q.to(q.device)], k[:, :, rows_k.to(k.device)],
+                                       v[:, :, rows_k.to(v.device)], packed_q, packed_k, **kw)
+    index = rows_q.to(q.device)
+    full_out = out.new_zeros(out.shape[:2] + (q.shape[2],) + out.shape[3:]).index_copy(2, index, out)
+    full_lse = lse.new_full(lse.shape[:2] + (q.shape[2],), NEG_INF).index_copy(2, index, lse)
+    return (full_out, full_lse, *rest)
 
 
 def decode_reference(q, k, v, lengths, starts, *, window=None, causal=True, **kw):

@@ -266,7 +266,7 @@ SIGNATURES = {
 
 
 # Arguments flash-attn 2's public functions lack (flash-attn 3's have them), after flash-attn 2's own.
-KEYWORD_ONLY_EXTRAS = {"flash_attn_varlen_func": [("seqused_k", None)]}
+KEYWORD_ONLY_EXTRAS = {"flash_attn_varlen_func": [("seqused_q", None), ("seqused_k", None)]}
 
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES))

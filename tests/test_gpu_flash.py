@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from attention_reference import assert_dtype_rule, reference, varlen_reference
+from attention_reference import assert_dtype_rule, reference, seqused_reference, used_rows, varlen_reference
 
 from jaxattn.torch_api import flash_attention, scaled_dot_product_attention, sdpa_launcher
 
@@ -153,6 +153,39 @@ def test_flash_varlen_on_gpu(dtype, alignment):
                 for dt in (torch.float64, dtype))
     _check_2x(out, ref, low, torch.autograd.grad(out, (q, k, v), dout),
               torch.autograd.grad(ref, (q, k, v), dout.double()), torch.autograd.grad(low, (q, k, v), dout))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_varlen_seqused_on_gpu(dtype):
+    """seqused_q and seqused_k: each sequence computed on its used rows only (`seqused_reference`);
+    the unused rows and their output gradient hold NaN; unused query rows give 0, LSE -inf, dq 0."""
+    gen = torch.Generator(device=DEV).manual_seed(9 + (dtype == torch.float16))
+    lens_q, lens_k = [97, 1, 300, 40], [130, 5, 1025, 40]
+    used_q, used_k = [60, 1, 257, 0], [130, 0, 700, 33]
+    hq, hk, d = 8, 2, 80
+    cu_q, cu_k = (torch.tensor([0] + lens, device=DEV).cumsum(0).int() for lens in (lens_q, lens_k))
+    keep = []
+    for cu, used, total in ((cu_q, used_q, sum(lens_q)), (cu_k, used_k, sum(lens_k))):
+        mask = torch.zeros(total, dtype=torch.bool, device=DEV)
+        mask[used_rows(cu.cpu(), used, total).to(DEV)] = True
+        keep.append(mask[:, None, None])
+    q, k, v = (torch.randn(len(mask), h, d, generator=gen, device=DEV).to(dtype).masked_fill(~mask, float("nan"))
+               .requires_grad_() for mask, h in ((keep[0], hq), (keep[1], hk), (keep[1], hk)))
+    out, lse = flash_attention(q, k, v, causal=True, causal_alignment="bottom_right", cu_seqlens_q=cu_q,
+                               cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                               seqused_q=torch.tensor(used_q, dtype=torch.int32, device=DEV),
+                               seqused_k=torch.tensor(used_k, dtype=torch.int32, device=DEV), return_lse=True,
+                               implementation="flash")
+    unused_q = ~keep[0][:, 0, 0]
+    assert (out[unused_q] == 0).all() and torch.isneginf(lse[:, unused_q]).all()
+    dout = torch.randn(out.shape, generator=gen, device=DEV).to(dtype).masked_fill(~keep[0], float("nan"))
+    packed = [x.transpose(0, 1)[None] for x in (q, k, v)]  # (1, H, total, D)
+    ref, low = (seqused_reference(*packed, cu_q, cu_k, used_q, used_k, causal=True, alignment="bottom_right",
+                                  dtype=dt)[0][0].transpose(0, 1) for dt in (torch.float64, dtype))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _check_2x(out, ref, low, grads, torch.autograd.grad(ref, (q, k, v), dout.double()),
+              torch.autograd.grad(low, (q, k, v), dout))
+    assert (grads[0][unused_q] == 0).all()
 
 
 def test_flash_dropout_on_gpu_is_seeded_unbiased_and_differentiable():

@@ -22,7 +22,9 @@ Varlen packing (flash-attn's layout): with `cu_seqlens_q` / `cu_seqlens_k` (N + 
 queries [cu_q[n], cu_q[n + 1]) and keys [cu_k[n], cu_k[n + 1]). Causality and windows use positions
 local to each sequence (bottom-right: offset len_k(n) - len_q(n)). Query rows from cu_q[N] on
 (padding) give 0 and LSE -inf. With `seqused_k` (N,), sequence n uses only the first seqused_k[n]
-keys of its range and len_k(n) is that used length (flash-attn's `seqused_k`; `seqused_keys`).
+keys of its range and len_k(n) is that used length; with `seqused_q` (N,), only the first
+seqused_q[n] queries and len_q(n) is that used length, the unused query rows giving 0 and LSE -inf
+as padding rows do (flash-attn 3's `seqused_k` / `seqused_q`; `seqused`).
 
 ALiBi (`alibi_slopes`, flash-attn's convention): the logit of query i and key j gets
 -slope * |i + S - L - j|, a distance aligned bottom-right whatever the causal alignment (L=3, S=5:
@@ -46,7 +48,7 @@ from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
 from .native_flash import flash_forward
 from .selection import normalize_choice
-from .seqused_keys import check_seqused_k, used_key_packing, zero_unused
+from .seqused import check_seqused, hide_unused_queries, used_packing, used_rows, zero_unused
 from .validation import AttentionInputError, check_alibi, check_finite, check_qkv, describe, finite_check_reads
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -225,6 +227,7 @@ def flash_attention(
     implementation: Union[None, str, Sequence[str]] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     """Attention with flash-attention features, differentiable and torch.compile-traceable.
 
@@ -278,6 +281,12 @@ def flash_attention(
             ALiBi align to the used length; those keys may hold anything and get zero gradients).
             Values 0 <= seqused_k[n] <= the sequence's length are checked on CPU only. Read on the
             device (no host sync); with dropout the pattern differs from a call without it.
+        seqused_q: (N,) int32 (or int64) tensor on q's device, only with cu_seqlens (flash-attn 3's
+            `seqused_q`): sequence n uses only the queries [cu_seqlens_q[n], cu_seqlens_q[n] +
+            seqused_q[n]); causality, windows and ALiBi align to that used length. The unused
+            query rows may hold anything: their output is 0, their LSE -inf (sinks or not), their
+            gradient 0, and the output gradient given for them is not read. Checked and read as
+            `seqused_k` is; combines with it.
 
     Returns:
         (B, Hq, L, Ev) output, or (total_q, Hq, Ev) with cu_seqlens; (output, lse) with `return_lse`.
@@ -296,7 +305,7 @@ def flash_attention(
                 window=window, softcap=softcap, sinks=sinks, segment_ids=segment_ids, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                 scale=scale, return_lse=return_lse, implementation=implementation, alibi_slopes=alibi_slopes,
-                seqused_k=seqused_k)
+                seqused_k=seqused_k, seqused_q=seqused_q)
     varlen = cu_seqlens_q is not None
     if varlen:
         _check_varlen_qkv(q, k, v)
@@ -309,7 +318,7 @@ def flash_attention(
             raise AttentionInputError(f"q: expected (B, Hq, L, E), got shape {tuple(q.shape)}.")
         check_same_batch(q, k)
         for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q),
-                            ("max_seqlen_k", max_seqlen_k), ("seqused_k", seqused_k)):
+                            ("max_seqlen_k", max_seqlen_k), ("seqused_k", seqused_k), ("seqused_q", seqused_q)):
             if value is not None:
                 shown = describe(value) if isinstance(value, torch.Tensor) else repr(value)
                 raise AttentionInputError(f"{name} ({shown}): only used with cu_seqlens_q (the varlen layout); pass "
@@ -329,14 +338,19 @@ def flash_attention(
                       _max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0]))
     if varlen:
         _check_cu_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], (max_seqlen_q, max_seqlen_k), max_seqlen)
-    if seqused_k is not None:  # the same call on 2N packed sequences: used keys, and unused ones as gaps
-        check_seqused_k(seqused_k, cu_seqlens_k, q)
-        cu_seqlens_q, cu_seqlens_k, alibi_slopes = used_key_packing(cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                                                    alibi_slopes)
+    given_cu_k, used_q = cu_seqlens_k, None  # used_q: (total_q,) bool, the query rows in use
+    if seqused_q is not None or seqused_k is not None:  # the same call with the unused rows as gap sequences
+        if seqused_q is not None:
+            check_seqused("seqused_q", seqused_q, cu_seqlens_q, q)
+            used_q = used_rows(cu_seqlens_q, seqused_q, q.shape[0])
+        if seqused_k is not None:
+            check_seqused("seqused_k", seqused_k, cu_seqlens_k, q)
+        cu_seqlens_q, cu_seqlens_k, alibi_slopes = used_packing(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                                                alibi_slopes)
     choice = normalize_choice(implementation) if implementation is not None else None
-    # unused keys may hold anything: they are checked (and, for the XLA path, zeroed) below
-    check_finite({"q": q, "k": k if seqused_k is None else None, "v": v if seqused_k is None else None,
-                  "sinks": sinks, "alibi_slopes": alibi_slopes})
+    # unused rows may hold anything: they are checked (and, for the XLA path, zeroed) below
+    check_finite({"q": q if seqused_q is None else None, "k": k if seqused_k is None else None,
+                  "v": v if seqused_k is None else None, "sinks": sinks, "alibi_slopes": alibi_slopes})
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=q.device)
@@ -349,10 +363,16 @@ def flash_attention(
                            varlen=(max_seqlen or (q.shape[0], k.shape[0])) if varlen else None,
                            alibi=alibi_slopes is not None)
     if seqused_k is not None and (native is None or finite_check_reads(k)):
-        used_k, used_v = zero_unused(k, cu_seqlens_k), zero_unused(v, cu_seqlens_k)
-        check_finite({"k": used_k, "v": used_v})
+        used_k = used_rows(given_cu_k, seqused_k, k.shape[0])
+        zeroed_k, zeroed_v = zero_unused(k, used_k), zero_unused(v, used_k)
+        check_finite({"k": zeroed_k, "v": zeroed_v})
         if native is None:
-            k, v = used_k, used_v
+            k, v = zeroed_k, zeroed_v
+    if seqused_q is not None and (native is None or finite_check_reads(q)):
+        zeroed_q = zero_unused(q, used_q)
+        check_finite({"q": zeroed_q})
+        if native is None:
+            q = zeroed_q
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach()  # no gradient, as flash-attn
     if native is not None:
@@ -362,7 +382,8 @@ def flash_attention(
                                  alibi_slopes=alibi_slopes)
         if varlen:  # (1, Hq, total_q, Ev) view of (1, total_q, Hq, Ev) memory -> (total_q, Hq, Ev)
             out, lse = out.transpose(1, 2)[0], lse[0]
-        return (out, lse) if return_lse else out
+        result = (out, lse) if return_lse else out
+        return result if used_q is None else hide_unused_queries(result, used_q, return_lse)
     static = dict(
         causal=bool(causal), causal_alignment=causal_alignment, window=window,
         softcap=None if softcap is None else float(softcap), scale=None if scale is None else float(scale),
@@ -370,5 +391,6 @@ def flash_attention(
         platform="cpu" if q.device.type == "cpu" else "gpu",
     )
     op = _flash_lse_jax if return_lse else _flash_jax
-    return op(q, k, v, sinks, q_ids, kv_ids, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, **static)
+    result = op(q, k, v, sinks, q_ids, kv_ids, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, **static)
+    return result if used_q is None else hide_unused_queries(result, used_q, return_lse)
 

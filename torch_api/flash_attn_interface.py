@@ -47,9 +47,10 @@ Where the results differ from flash-attn's:
   gathered into per-sequence copies (the whole row, max_num_blocks_per_seq pages, whatever the
   sequence's length), not read in place; gradients reach the paged k / v. With dropout the
   pattern differs from a non-paged call's (a different packing), not its distribution.
-* `seqused_k` (sequence n uses only the first seqused_k[n] keys of its range) is a keyword-only
-  extra of `flash_attn_varlen_func`: flash-attn 2's public function lacks it, flash-attn 3's has it.
-  With dropout the pattern differs from that of the same used keys packed without gaps.
+* `seqused_q` / `seqused_k` (sequence n uses only the first seqused_q[n] queries / seqused_k[n]
+  keys of its range) are keyword-only extras of `flash_attn_varlen_func`: flash-attn 2's public
+  function lacks them, flash-attn 3's has them. Unused query rows give 0 and softmax_lse -inf. With
+  dropout the pattern differs from that of the same used rows packed without gaps.
 * Inputs may also be float32, and float64 on CPU (softmax_lse is then float64 too); head dims need
   not be multiples of 8.
 """
@@ -194,7 +195,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           seqused_k=None) -> Output:
+                           seqused_q=None, seqused_k=None) -> Output:
     """Attention over N sequences packed back to back (flash-attn's varlen layout).
 
     Sequence n has queries [cu_seqlens_q[n], cu_seqlens_q[n + 1]) and keys [cu_seqlens_k[n],
@@ -217,12 +218,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             in order (entries past its last page are not read). The pages of every row are gathered
             into an (N, max_num_blocks_per_seq * page_block_size, Hk, D) copy (`flash_attn_paged`);
             results and gradients (to q and to the paged k / v) are those of the same keys packed.
-        seqused_k: keyword-only, None or (N,) int32 (or int64): sequence n uses only the first
-            seqused_k[n] of its cu_seqlens_k keys (with block_table, of its pages); the rest are
-            ignored as if absent (causality, windows and ALiBi align to the used length; they may
-            hold anything and get zero gradients). flash-attn 2 reads it in its internal varlen
-            forward but its public function does not take it; flash-attn 3's does (after
-            max_seqlen_k, next to seqused_q), hence keyword-only here.
+        seqused_q: keyword-only, None or (N,) int32 (or int64) (flash-attn 3's name): sequence n
+            uses only the first seqused_q[n] of its cu_seqlens_q queries; causality, windows and
+            ALiBi align to that used length. The unused rows may hold anything: their output is 0,
+            their softmax_lse -inf, their gradient 0 (their output gradient is not read).
+        seqused_k: keyword-only, None or (N,) int32 (or int64) (flash-attn 3's name): sequence n
+            uses only the first seqused_k[n] of its cu_seqlens_k keys (with block_table, of its
+            pages); the rest are ignored as if absent (causality, windows and ALiBi align to the
+            used length; they may hold anything and get zero gradients). flash-attn 2 reads it in
+            its internal varlen forward but its public function does not take it; flash-attn 3's
+            takes both after max_seqlen_k (seqused_q, then seqused_k), hence keyword-only here.
 
     Returns:
         out (total_q, Hq, Dv); with return_attn_probs, (out, softmax_lse (Hq, total_q) float32, S_dmask (0,)).
@@ -235,14 +240,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal=causal,
             window=_window(window_size, causal, max_seqlen_k), alibi_slopes=alibi_slopes, softcap=opts["softcap"],
             scale=opts["scale"], dropout_p=opts["dropout_p"], return_lse=opts["return_lse"],
-            implementation=opts["implementation"], seqused_k=seqused_k)
+            implementation=opts["implementation"], seqused_k=seqused_k, seqused_q=seqused_q)
         return _finish(result, return_attn_probs, q, to_blhd=False)
     _check_dims({"q": (q, 3), "k": (k, 3), "v": (v, 3)}, "(total, nheads, headdim)")
     opts = _options(softmax_scale, softcap, deterministic, return_attn_probs, dropout_p, q.device)
     result = flash_attention(q, k, v, causal=causal, causal_alignment="bottom_right",
                              window=_window(window_size, causal, max_seqlen_k), alibi_slopes=alibi_slopes,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                             max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, **opts)
+                             max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, seqused_q=seqused_q, **opts)
     return _finish(result, return_attn_probs, q, to_blhd=False)
 
 

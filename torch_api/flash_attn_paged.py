@@ -4,7 +4,8 @@ k / v are page pools (num_blocks, page_block_size, Hk, D); row n of block_table 
 lists sequence n's pages in order, and its keys are the first cu_seqlens_k[n + 1] - cu_seqlens_k[n]
 positions of those pages (position j: slot j % page_block_size of page block_table[n, j //
 page_block_size]). Table entries past a sequence's last page are never read and may hold anything.
-With `seqused_k` (N,), sequence n's keys are only its first seqused_k[n] positions.
+With `seqused_k` (N,), sequence n's keys are only its first seqused_k[n] positions; with
+`seqused_q` (N,), its queries only the first seqused_q[n] rows of its cu_seqlens_q range (`seqused`).
 
 How it runs: the pages each table row names are gathered into (N, max_num_blocks *
 page_block_size, Hk, D) copies (one indexing op, so the pool's gradient is the sum over the
@@ -22,8 +23,8 @@ import torch
 from .decode import check_pages
 from .flash import _check_cu_seqlens, _check_cu_values, _max_seqlen
 from .padded_keys import attend_padded_keys, zero_outside
-from .seqused_keys import check_seqused_k
-from .validation import AttentionInputError, check_alibi, check_finite, describe
+from .seqused import check_seqused, used_rows, zero_unused
+from .validation import AttentionInputError, check_alibi, check_finite, describe, finite_check_reads
 
 _POOL = "(num_blocks, page_block_size, nheads_k, headdim)"
 
@@ -97,12 +98,14 @@ def paged_varlen_attention(
     return_lse: bool,
     implementation: Union[None, str, Sequence[str]],
     seqused_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     """Packed q (total_q, Hq, D) with cu_seqlens_q against the paged k (P, PS, Hk, D) / v (P, PS, Hk,
     Dv) through block_table (N, max_pages) (module docstring); `flash_attention`'s keyword options,
     alignment bottom-right per sequence. Returns (total_q, Hq, Dv), with (Hq, total_q) LSE if
     `return_lse`. Differentiable in q, k and v. `seqused_k` (N,): sequence n's keys are only the first
-    seqused_k[n] positions of its pages (`seqused_keys`)."""
+    seqused_k[n] positions of its pages, `seqused_q` (N,): its queries only the first seqused_q[n] rows
+    of its range (`seqused`)."""
     _check_pools(q, k, v)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     num_seqs = cu_seqlens_k.numel() - 1
@@ -119,15 +122,21 @@ def paged_varlen_attention(
     _check_cu_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], num_seqs * capacity, (max_seqlen_q, max_seqlen_k), bounds)
     used = "the sequence's length (cu_seqlens_k)"
     if seqused_k is not None:  # fewer keys than cu_seqlens_k gives: only their pages are read
-        check_seqused_k(seqused_k, cu_seqlens_k, q)
+        check_seqused("seqused_k", seqused_k, cu_seqlens_k, q)
         lengths, used = seqused_k.to(torch.int32), "the sequence's used length (seqused_k)"
+    if seqused_q is not None:
+        check_seqused("seqused_q", seqused_q, cu_seqlens_q, q)
     check_pages(block_table, lengths, None, page_size, num_pages, used, "k")
     # Unchecked on CUDA: clamping keeps the gather in bounds whatever the lengths and the table hold
     # (entries past a sequence's last page may be anything).
     lengths = lengths.clamp(0, capacity)
     pages = block_table.clamp(0, num_pages - 1).long()
     kd, vd = (zero_outside(pool[pages].flatten(1, 2), torch.zeros_like(lengths), lengths) for pool in (k, v))
-    check_finite({"q": q, "k": kd, "v": vd, "alibi_slopes": alibi_slopes})  # the keys in use, not the whole pool
+    checked_q = q
+    if seqused_q is not None and finite_check_reads(q):  # unused query rows may hold anything
+        checked_q = zero_unused(q, used_rows(cu_seqlens_q, seqused_q, q.shape[0]))
+    check_finite({"q": checked_q, "k": kd, "v": vd, "alibi_slopes": alibi_slopes})  # the rows in use only
     return attend_padded_keys(q, cu_seqlens_q, max_seqlen_q, kd, vd, None, lengths, zeroed=True, causal=causal,
                               window=window, softcap=softcap, scale=scale, alibi_slopes=alibi_slopes,
-                              dropout_p=dropout_p, return_lse=return_lse, implementation=implementation)
+                              dropout_p=dropout_p, return_lse=return_lse, implementation=implementation,
+                              seqused_q=seqused_q)
