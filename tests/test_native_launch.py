@@ -378,10 +378,11 @@ def test_growing_cache_steps_rebind_one_planned_forward(monkeypatch):
     monkeypatch.setattr(native_flash, "_plan_launches", lambda *a: planned.append(a) or real_plan(*a))
     monkeypatch.setattr(native_flash, "_LAUNCHES", {})
     monkeypatch.setattr(native_flash, "_FOLLOWS_KEYS", {})
-    real_init = sdpa_module._Plan.__init__
-    monkeypatch.setattr(sdpa_module._Plan, "__init__", lambda self, *a: checked.append(a) or real_init(self, *a))
-    monkeypatch.setattr(sdpa_module, "_plans", {})
-    monkeypatch.setattr(sdpa_module, "_decoding_plans", {})
+    real_init = sdpa_module._PreparedSdpa.__init__
+    monkeypatch.setattr(sdpa_module._PreparedSdpa, "__init__",
+                        lambda self, *a: checked.append(a) or real_init(self, *a))
+    monkeypatch.setattr(sdpa_module, "_prepared", {})
+    monkeypatch.setattr(sdpa_module, "_prepared_decoding", {})
     gen = torch.Generator().manual_seed(5)
     b, hq, hk, d = 2, 4, 2, 16
     cache = torch.randn(b, 40, hk, d, generator=gen).to(DEVICE)
