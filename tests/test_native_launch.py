@@ -201,8 +201,7 @@ def test_dropout_uses_the_kernels_keep_mask_and_torch_rng():
     (out * cot).sum().backward()
     keep = _keep_mask(seed, b * h, l, s, p).reshape(b, h, l, s)
     leaves = _f64(q, k, v)
-    probs = torch.softmax((leaves[0] @ leaves[1].transpose(-1, -2)) * d ** -0.5, dim=-1)
-    ref = (probs * keep / (1 - p)) @ leaves[2]
+    ref, _ = reference(*leaves, dropout_keep=keep.cpu(), dropout_p=p)
     (ref * cot.double().cpu()).sum().backward()
     assert_close_finite("out", out.detach().double().cpu(), ref.detach(), TOL)
     for name, got, want in zip("qkv", (q, k, v), leaves):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import jax_triton_interpret
-from attention_reference import assert_close_finite, varlen_reference
+from attention_reference import assert_close_finite, varlen_alibi_bias, varlen_reference
 
 import jaxattn.torch_api.flash as flash_module
 from jaxattn.bridge.triton_launch import can_launch
@@ -53,18 +53,6 @@ def inputs(gen, hq: int, hk: int, d: int, dv: int):
     return q, k, v
 
 
-def alibi_bias(slopes: torch.Tensor, hq: int) -> torch.Tensor:
-    """(1, Hq, total_q, used_total) float64: -slope * |i + U_n - L_n - j| inside sequence n's block."""
-    cu_q, cu_u = cumulative(LENS_Q).tolist(), cumulative(USED).tolist()
-    bias = torch.zeros(1, hq, cu_q[-1] + PAD_Q, cu_u[-1], dtype=torch.float64)
-    for n, (l, u) in enumerate(zip(LENS_Q, USED)):
-        row = (slopes[n] if slopes.dim() == 2 else slopes).double()[:, None, None]
-        i = torch.arange(l, dtype=torch.float64)[:, None]
-        j = torch.arange(u, dtype=torch.float64)[None, :]
-        bias[0, :, cu_q[n]:cu_q[n + 1], cu_u[n]:cu_u[n + 1]] = -row * (i + u - l - j).abs()
-    return bias
-
-
 def reference(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, softmax_scale=None, alibi_slopes=None,
               alignment="bottom_right"):
     """float64 out (total_q, Hq, Dv) and LSE (Hq, total_q) on the used keys only, differentiable in the
@@ -73,7 +61,8 @@ def reference(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, softm
     k, v = k.double()[rows], v.double()[rows]
     left, right = window_size
     window = None if (left, right) == (-1, -1) else (left, -1 if causal else right)
-    bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, q.shape[1])
+    bias = None if alibi_slopes is None else varlen_alibi_bias(
+        alibi_slopes, cumulative(LENS_Q), cumulative(USED), q.shape[0], k.shape[0])
     out, lse = varlen_reference(q.double().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                 cumulative(LENS_Q), cumulative(USED), causal=causal, alignment=alignment,
                                 window=window, softcap=softcap or None, scale=softmax_scale, bias=bias)
