@@ -90,7 +90,7 @@ def _backward(ctx, grads):
     present = [j for j in range(ctx.n_out) if grads[j] is not None]
     saved = list(ctx.saved_tensors)
     # create_graph=True needs gradients torch can differentiate again; a forward without residuals
-    # (symbolic sizes, see `call_plan.prepare_arguments`) needs the vjp recomputed from the inputs:
+    # (symbolic sizes, see `prepared_call.prepare_arguments`) needs the vjp recomputed from the inputs:
     # both run the vjp as a jax_op of its own.
     if torch.is_grad_enabled() or not lookup(ctx.spec).with_vjp:
         out_sig = [(tuple(o.shape), o.dtype) for o in saved[ctx.n_in: ctx.n_in + ctx.n_out]]

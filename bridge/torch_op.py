@@ -20,7 +20,7 @@ How it works:
     broadcasts, input shapes, dtypes, devices) in a bounded LRU cache; `cache_info()` reports
     hits, misses, size and compile time.
   * Under `torch.func` transforms (grad, vjp, jacrev, vmap) a call goes through `functorch`.
-  * Eager calls take a fast path (`call_plan`): per signature everything is resolved once, and the
+  * Eager calls take a fast path (`prepared_call`): per signature everything is resolved once, and the
     call runs the executable directly, without the custom op's dispatch (the custom op stays for
     torch.compile, dispatch modes and functorch transforms).
   * Broadcast (stride-0) tensor dimensions are narrowed to size 1 before the op and re-broadcast
@@ -35,12 +35,13 @@ from __future__ import annotations
 import functools
 import importlib
 import pickle
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 from torch.autograd import forward_ad
 
-from .call_plan import CallPlan, NotPlain, arg_key, prepare_arguments, spec_key, static_key
+from .prepared_call import PreparedCall, NotPlain, arg_key, prepare_arguments, spec_key, static_key
 from .call_spec import check_static
 from .fork_guard import check_not_forked
 from .forward_ad import refuse_forward_ad
@@ -48,8 +49,8 @@ from .functorch import functorch_call
 from .registry import OPS as _OPS
 from .traces import CACHE
 
-#: Call plans kept per op before the memo is emptied (they hold no executables, only keys).
-MAX_PLANS = 4096
+#: Prepared calls kept per op before the memo is emptied (they hold no executables, only keys).
+MAX_PREPARED = 4096
 
 
 def cache_info():
@@ -61,7 +62,7 @@ def clear_cache() -> None:
     """Drops every compiled executable and resets the counters."""
     CACHE.clear()
     for op in _OPS.values():
-        op._plans.clear()
+        op._prepared.clear()
 
 
 def set_cache_size(maxsize: int) -> None:
@@ -108,12 +109,12 @@ class JaxOp:
             raise ValueError(f"num_outputs={num_outputs!r}: expected an int >= 1.")
         self.fn, self.name, self.num_outputs = fn, name, num_outputs
         self.module = module if module is not None else getattr(fn, "__module__", None)
-        self._plans: dict[tuple, CallPlan] = {}
+        self._prepared: dict[tuple, PreparedCall] = {}
         functools.update_wrapper(self, fn)
         _OPS[name] = self
 
     # An op is a named function, registered once per process: copies are the op itself, and pickles
-    # refer to it by name (its executables, devices and plans are caches of this process).
+    # refer to it by name (its executables, devices and prepared calls are caches of this process).
     def __copy__(self) -> "JaxOp":
         return self
 
@@ -134,34 +135,40 @@ class JaxOp:
             try:
                 key = (tuple([arg_key(a) for a in args]), tuple([(k, static_key(v)) for k, v in static.items()]),
                        torch.is_grad_enabled())
-                plan = self._plans.get(key)
+                prepared = self._prepared.get(key)
             except (NotPlain, AttributeError, TypeError):  # not plain tensors, or unhashable statics
-                key = plan = None
-            if plan is None:  # a new signature: its static arguments were never checked
+                key = prepared = None
+            if prepared is None:  # a new signature: its static arguments were never checked
                 check_static(self.name, static)
             if key is not None:
-                if plan is None:
-                    plan = self._remember(key, CallPlan(self, args, static))
-                return plan(*args)
+                if prepared is None:
+                    prepared = self._remember(key, PreparedCall(self, args, static))
+                return prepared(*args)
         tensors, _, spec_values = prepare_arguments(self, args, static)
         result = torch.ops.jaxattn.jax_call(tensors, self.name, spec_key(*spec_values))
         return result[0] if self.num_outputs == 1 else tuple(result[: self.num_outputs])
 
-    def plan(self, *args: Optional[torch.Tensor], **static: Any) -> CallPlan:
+    def prepare(self, *args: Optional[torch.Tensor], **static: Any) -> PreparedCall:
         """Resolves a call's signature-only work once; the result runs calls with that signature.
 
-        `plan(*args)` must then be called with tensors of the same types, shapes, strides, dtypes,
+        `prepare(*args)` must then be called with tensors of the same types, shapes, strides, dtypes,
         devices, requires_grad and leafness as these, under the same grad mode; callers that
-        cache plans key them by all of these.
+        cache prepared calls key them by all of these.
         """
         check_static(self.name, static)
-        return CallPlan(self, args, static)
+        return PreparedCall(self, args, static)
 
-    def _remember(self, key: tuple, plan: CallPlan) -> CallPlan:
-        if len(self._plans) >= MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
+    def plan(self, *args: Optional[torch.Tensor], **static: Any) -> PreparedCall:
+        """Deprecated name of `prepare`."""
+        warnings.warn(f"{type(self).__name__}.plan is deprecated: use .prepare (same arguments, same result).",
+                      DeprecationWarning, stacklevel=2)
+        return self.prepare(*args, **static)
+
+    def _remember(self, key: tuple, prepared: PreparedCall) -> PreparedCall:
+        if len(self._prepared) >= MAX_PREPARED:
+            self._prepared.clear()
+        self._prepared[key] = prepared
+        return prepared
 
 
 def jax_op(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None, num_outputs: int = 1,

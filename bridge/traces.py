@@ -1,7 +1,7 @@
 """Traced and compiled JAX executables of `jax_op` functions, in one bounded LRU cache.
 
 A forward executable runs the function (under `jax.vjp` when gradients are wanted) and returns its
-outputs followed by the vjp residuals; `Trace.plan` says how to rebuild the vjp from inputs,
+outputs followed by the vjp residuals; `Trace.vjp_leaves` says how to rebuild the vjp from inputs,
 outputs and residuals, so the backward executable needs nothing else. Keys hold the function's
 name, its `CallSpec`, the inputs' shapes and dtypes and the JAX device.
 
@@ -39,7 +39,7 @@ class Trace:
     call: Callable[..., Any]  # compiled executable (None for a shape-only trace)
     out_info: list  # ShapeDtypeStructs of outputs followed by residuals
     n_out: int
-    plan: list  # per vjp leaf: ("in", i) | ("out", j) | ("res", r) | ("const", value)
+    vjp_leaves: list  # per vjp leaf: ("in", i) | ("out", j) | ("res", r) | ("const", value)
     treedef: Any
     diff: tuple  # indices (into the op's tensor inputs) that are differentiated
     out_type: Optional[type]  # tuple or list when the function returned a sequence, else None
@@ -101,21 +101,21 @@ def _build_forward(op: Op, spec: CallSpec, avals: list, x64: bool) -> Trace:
         # An output that is an input would alias it in torch; give it its own buffer.
         outs = [jnp.copy(o) if any(o is i for i in inputs) else o for o in outs]
         leaves, treedef = jax.tree_util.tree_flatten(vjp)
-        plan, residuals = [], []
+        vjp_leaves, residuals = [], []
         for leaf in leaves:
             if not isinstance(leaf, jax.Array):
-                plan.append(("const", leaf))
+                vjp_leaves.append(("const", leaf))
             elif any(leaf is x for x in inputs):
-                plan.append(("in", next(i for i, x in enumerate(inputs) if leaf is x)))
+                vjp_leaves.append(("in", next(i for i, x in enumerate(inputs) if leaf is x)))
             elif any(leaf is x for x in outs):
-                plan.append(("out", next(i for i, x in enumerate(outs) if leaf is x)))
+                vjp_leaves.append(("out", next(i for i, x in enumerate(outs) if leaf is x)))
             elif any(leaf is x for x in residuals):
-                plan.append(("res", next(i for i, x in enumerate(residuals) if leaf is x)))
+                vjp_leaves.append(("res", next(i for i, x in enumerate(residuals) if leaf is x)))
             else:
-                plan.append(("res", len(residuals)))
+                vjp_leaves.append(("res", len(residuals)))
                 residuals.append(leaf)
         out_type = None if isinstance(out, jax.Array) else (list if isinstance(out, list) else tuple)
-        info.update(plan=plan, treedef=treedef, diff=diff, n_out=len(outs), out_type=out_type)
+        info.update(vjp_leaves=vjp_leaves, treedef=treedef, diff=diff, n_out=len(outs), out_type=out_type)
         return outs + residuals
 
     x64 = x64 or op.name in _X64_OPS
@@ -134,7 +134,7 @@ def _build_forward(op: Op, spec: CallSpec, avals: list, x64: bool) -> Trace:
     out_info = list(traced.out_info)
     out_sig = tuple((tuple(o.shape), to_torch_dtype(o.dtype)) for o in out_info)
     return Trace(
-        call, out_info, info["n_out"], info["plan"], info["treedef"], info["diff"], info["out_type"], out_sig, x64
+        call, out_info, info["n_out"], info["vjp_leaves"], info["treedef"], info["diff"], info["out_type"], out_sig, x64
     )
 
 
@@ -188,7 +188,7 @@ def _build_backward(trace: Trace, grad_spec: tuple, n_in: int, avals: list) -> C
         inputs, outs = arrays[:n_in], arrays[n_in : n_in + n_out]
         residuals, given = arrays[n_in + n_out : n_in + n_out + n_res], arrays[n_in + n_out + n_res :]
         sources = {"in": inputs, "out": outs, "res": residuals}
-        leaves = [value if kind == "const" else sources[kind][value] for kind, value in trace.plan]
+        leaves = [value if kind == "const" else sources[kind][value] for kind, value in trace.vjp_leaves]
         vjp = jax.tree_util.tree_unflatten(trace.treedef, leaves)
         cts = [jnp.zeros(o.shape, o.dtype) for o in trace.out_info[:n_out]]
         for j, g in zip(ct_present, given):

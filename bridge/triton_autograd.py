@@ -254,7 +254,7 @@ class _EagerFunction(torch.autograd.Function):
         return (None, None, *[next(got) if need else None for need in needs])
 
 
-class PlannedCall:
+class PreparedTritonCall:
     """A differentiable call of one fixed signature on the eager path, with nothing resolved per call.
 
     Subclasses implement `forward(*inputs) -> (outputs, saved)` and `backward(saved, grads) ->
@@ -263,7 +263,7 @@ class PlannedCall:
     `apply` directly: no spec, no launch-cache lookup, no per-input bookkeeping. Callers use it only
     where `TritonOp.__call__` would take its eager autograd route (grad needed, no torch.compile,
     functorch transform or forward-mode AD) and keep everything the backward needs in the subclass
-    (planned once per signature).
+    (prepared once per signature).
     """
 
     op: TritonOp
@@ -275,14 +275,14 @@ class PlannedCall:
         raise NotImplementedError
 
     def apply(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if _PLANNED_APPLY is None:
-            return _PlannedFunction.apply(self, *inputs)
-        return _PLANNED_APPLY(self, *[_UNWRAP_IF_DEAD(t) for t in inputs])
+        if _PREPARED_APPLY is None:
+            return _PreparedTritonFunction.apply(self, *inputs)
+        return _PREPARED_APPLY(self, *[_UNWRAP_IF_DEAD(t) for t in inputs])
 
 
-class _PlannedFunction(torch.autograd.Function):
+class _PreparedTritonFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call: PlannedCall, *inputs):
+    def forward(ctx, call: PreparedTritonCall, *inputs):
         outs, saved = call.forward(*inputs)
         ctx.call = call
         ctx.save_for_backward(*saved)
@@ -307,7 +307,7 @@ def _eager_apply(op: TritonOp, spec: Any, *inputs: Optional[torch.Tensor]):
 
 try:  # the C implementation under Function.apply, bound to each Function (None: use Function.apply)
     _BASE_APPLY = super(torch.autograd.Function, _EagerFunction).apply
-    _PLANNED_APPLY = super(torch.autograd.Function, _PlannedFunction).apply
+    _PREPARED_APPLY = super(torch.autograd.Function, _PreparedTritonFunction).apply
     _UNWRAP_IF_DEAD = torch._C._functorch.unwrap_if_dead
 except AttributeError:  # pragma: no cover - a torch without these internals
-    _BASE_APPLY = _PLANNED_APPLY = _UNWRAP_IF_DEAD = None
+    _BASE_APPLY = _PREPARED_APPLY = _UNWRAP_IF_DEAD = None

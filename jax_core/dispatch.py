@@ -13,7 +13,7 @@ from .capabilities import AttentionInputs, CausalAlignment
 from .metadata import AttentionMetadata, backend_of, platform_of
 from .registry import AttentionRegistry
 
-Implementation = Literal["vanilla", "sdpa", "cudnn", "cuda_flash_attn2", "flash", "flash_attn2", "ring", "decode"]
+Implementation = Literal["vanilla", "sdpa", "cudnn", "flash", "flash_attn2", "ring", "decode"]
 
 
 @functools.lru_cache(maxsize=256)

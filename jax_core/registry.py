@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, TypeVar
 
 from .base import AttentionImpl, mode_for
@@ -61,6 +62,14 @@ def sequence_parallel_first(metadata: Optional[AttentionMetadata]) -> tuple[str,
     return ("ring",) if metadata.mesh.shape.get(metadata.sequence_axis_name, 1) > 1 else ()
 
 
+#: Names still accepted, with a DeprecationWarning, for the name to use instead. They resolve before
+#: any lookup and are not listed among the registered names.
+DEPRECATED_NAMES: dict[str, str] = {
+    # flash-attn 2's name, but the implementation behind it is cuDNN's fused attention (through sdpa)
+    "cuda_flash_attn2": "cudnn",
+}
+
+
 class AttentionRegistry:
     """Registry of `AttentionImpl` classes, keyed by every name and alias they declare."""
 
@@ -80,8 +89,21 @@ class AttentionRegistry:
         return impl_cls
 
     @classmethod
+    def current_name(cls, impl_name: str) -> str:
+        """`impl_name`, or the name that replaces it if it is deprecated (with a DeprecationWarning)."""
+        if isinstance(impl_name, str) and impl_name in DEPRECATED_NAMES:
+            new = DEPRECATED_NAMES[impl_name]
+            warnings.warn(f"implementation={impl_name!r} is deprecated: it runs {new} (cuDNN's fused attention "
+                          f"through sdpa), not flash-attn's kernels; use implementation={new!r}.",
+                          DeprecationWarning, stacklevel=3)
+            return new
+        return impl_name
+
+    @classmethod
     def get(cls, impl_name: str) -> type[AttentionImpl]:
-        """The class registered under `impl_name`; ValueError listing the known names otherwise."""
+        """The class registered under `impl_name` (a deprecated name: the class of its replacement, with
+        a DeprecationWarning); ValueError listing the known names otherwise."""
+        impl_name = cls.current_name(impl_name)
         try:
             return cls._impls[impl_name]
         except (KeyError, TypeError):
@@ -157,7 +179,7 @@ class AttentionRegistry:
             names = [n for n in dict.fromkeys(ordered) if n in cls._impls]
             why = f"automatic selection on {inputs.platform} ({inputs.backend}), order {names}"
         else:
-            names = list(implementation)
+            names = [cls.current_name(name) for name in implementation]
             for name in names:
                 cls.get(name)
             why = f"first of implementation={names} that can run the call"

@@ -1,4 +1,4 @@
-"""`sdpa` (aliases `cudnn`, `cuda_flash_attn2`): `jax.nn.dot_product_attention`.
+"""`sdpa` (alias `cudnn`): `jax.nn.dot_product_attention`.
 
 On CUDA it asks for implementation="cudnn" when cuDNN's fused attention takes the call (fp16/bf16,
 head dims cuDNN accepts) and uses "xla" otherwise; every other platform uses "xla".
@@ -52,7 +52,7 @@ class ScaledDotProductAttn(AttentionImpl):
 
     @classmethod
     def get_impl_name(cls) -> tuple[str, ...]:
-        return ("sdpa", "cudnn", "cuda_flash_attn2")
+        return ("sdpa", "cudnn")
 
     @classmethod
     def extra_reasons(cls, inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:

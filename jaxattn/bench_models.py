@@ -624,6 +624,7 @@ def _check_args(size: Optional[str], device: Optional[str], implementation: Opti
     if implementation is not None:
         from .jax_core import AttentionRegistry
 
+        implementation = AttentionRegistry.current_name(implementation)
         if implementation not in AttentionRegistry.list_implementations():
             raise ValueError(f"implementation={implementation!r}: expected one of "
                              f"{AttentionRegistry.list_implementations()} or None (automatic selection).")
@@ -795,6 +796,7 @@ def _implementation_arg(value: str) -> str:
     from .jax_core import AttentionRegistry
 
     names = AttentionRegistry.list_implementations()
+    value = AttentionRegistry.current_name(value)
     if value not in names:
         raise argparse.ArgumentTypeError(f"--implementation {value!r}: expected one of {', '.join(names)}")
     return value

@@ -6,7 +6,7 @@ What is here:
 
 * `visibility`, `segment_visibility`, `varlen_visibility`, `decode_visibility`: which keys a query sees
   (causal with top-left or bottom-right alignment, sliding windows, segment ids, packed sequences,
-  ragged decode caches), as bool tensors;
+  ragged decode caches), as bool tensors; `alibi_bias`, `varlen_alibi_bias`: the ALiBi bias;
 * `reference`: attention on (B, H, L, D) tensors with GQA / MQA, a bool mask and an additive bias, the
   positional rules above, a logits soft cap, attention sinks, segment ids and a given dropout keep
   mask; returns the output and the log-sum-exp (and the weights on request);
@@ -103,6 +103,32 @@ def decode_visibility(lengths, starts, t: int, s: int, window=None, causal: bool
     vis = visibility(t, s, causal=causal, window=window, offset=lengths - t, device=lengths.device)
     j = torch.arange(s, device=lengths.device)
     return vis & (j >= starts.view(-1, 1, 1, 1)) & (j < lengths.view(-1, 1, 1, 1))
+
+
+def alibi_bias(slopes, l: int, s: int, *, offset=None, device=None) -> torch.Tensor:
+    """The ALiBi bias -slope * |p - j| as float64 (B|1, Hq, L, S), query i at position p = i + offset
+    (`offset` defaults to S - L: flash-attn's bottom-right diagonal, whatever the causal alignment).
+    `slopes` is (Hq,) (one per head) or (B, Hq) (one per sequence and head)."""
+    slopes = torch.as_tensor(slopes)
+    offset = s - l if offset is None else offset
+    device = torch.device("cpu") if device is None else device
+    i = torch.arange(l, dtype=torch.float64, device=device)[:, None]
+    j = torch.arange(s, dtype=torch.float64, device=device)[None, :]
+    per_row = slopes.to(device=device, dtype=torch.float64).reshape(-1, slopes.shape[-1])  # (B|1, Hq)
+    return -per_row[:, :, None, None] * (i + offset - j).abs()
+
+
+def varlen_alibi_bias(slopes, cu_q, cu_k, t_total: int, s_total: int, device=None) -> torch.Tensor:
+    """`alibi_bias` for packed sequences: (1, Hq, T, S) float64, sequence n's block with its own L_n,
+    S_n and slopes (row n of a (N, Hq) `slopes`, or the shared (Hq,) ones); 0 outside the blocks
+    (those pairs are hidden anyway)."""
+    slopes = torch.as_tensor(slopes)
+    cu_q, cu_k = _ints(cu_q), _ints(cu_k)
+    bias = torch.zeros(1, slopes.shape[-1], t_total, s_total, dtype=torch.float64, device=device)
+    for n, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
+        row = slopes[n] if slopes.dim() == 2 else slopes
+        bias[0, :, q0:q1, k0:k1] = alibi_bias(row, q1 - q0, k1 - k0, device=device)[0]
+    return bias
 
 
 # ----------------------------------------------------------------------------------------------

@@ -70,8 +70,9 @@ def test_multihead_attention_with_padding_mask_under_autocast_and_patch(monkeypa
     from jaxattn.torch_api import sdpa as sdpa_module
 
     reached = []
-    plan_call = sdpa_module._Plan.__call__
-    monkeypatch.setattr(sdpa_module._Plan, "__call__", lambda self, *a, **kw: reached.append(1) or plan_call(self, *a, **kw))
+    prepared_call = sdpa_module._PreparedSdpa.__call__
+    monkeypatch.setattr(sdpa_module._PreparedSdpa, "__call__",
+                        lambda self, *a, **kw: reached.append(1) or prepared_call(self, *a, **kw))
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
     x = torch.randn(2, 9, 32)

@@ -37,7 +37,7 @@ import pytest
 import torch
 from jax.sharding import Mesh
 
-from attention_reference import assert_close_finite, from_bthd, reference, reference_grads
+from attention_reference import alibi_bias, assert_close_finite, from_bthd, reference, reference_grads
 
 from jaxattn.jax_core import FEATURES, AttentionInputs, AttentionMetadata, AttentionRegistry, attention
 from jaxattn.torch_api import flash_attention, scaled_dot_product_attention, sdpa_launcher
@@ -112,9 +112,8 @@ def _case(feature: str, seed: int, s: int = S):
         oracle = dict(cu_seqlens=(CU_Q, CU_K))
     elif feature == "alibi":  # oracle: the bias -slope * |i + S - T - j| written out
         slopes = rng.random(HQ).astype(np.float32)
-        distance = np.abs(np.arange(T)[:, None] + (s - T) - np.arange(s)[None, :])
         call = dict(alibi_slopes=slopes)
-        oracle = dict(bias=torch.from_numpy(-slopes.astype(np.float64)[None, :, None, None] * distance))
+        oracle = dict(bias=alibi_bias(torch.from_numpy(slopes), T, s))
     elif feature == "lse":
         call = dict(return_lse=True)
     elif feature == "weights":

@@ -5,12 +5,11 @@ the kernels run exactly as launched on a GPU, on small shapes with small key blo
 (`SmallLaunch`) so that several blocks, cut segments and empty sequences occur; the tests through
 `decode_attention` run the product's own launch choices. Unwritten cache slots and unused pages hold NaN.
 The oracle is the float64 reference of tests/attention_reference.py (`decode_reference`). On a
-machine with CUDA, JAX on GPU and jax-triton the same tests run the compiled kernels (float32 inputs,
-tf32x3 dots).
+CUDA machine the same tests run the compiled kernels (float32 inputs, tf32x3 dots): through jax-triton
+where JAX runs on the GPU with it installed, through the stand-in otherwise.
 """
 
 import dataclasses
-import importlib.util
 import sys
 from typing import Optional
 
@@ -29,8 +28,7 @@ from decode_cases import layout_cache, ragged_cache  # noqa: E402
 from jaxattn.jax_core import AttentionMetadata, attention, decode_attention  # noqa: E402
 from jaxattn.jax_core.kernels.decode_jax_triton import DecodeConfig, decode_attention_triton  # noqa: E402
 
-ON_GPU = (torch.cuda.is_available() and jax.default_backend() == "gpu"
-          and importlib.util.find_spec("jax_triton") is not None)
+ON_GPU = jax_triton_interpret.real_jax_triton_runs()  # else the stand-in launches the kernels
 # backend "rocm": the portable tanh (the interpreter cannot run PTX's tanh.approx)
 GPU = AttentionMetadata(platform="gpu", backend="cuda" if ON_GPU else "rocm")
 
@@ -60,8 +58,7 @@ class SmallLaunch(DecodeConfig):
 
 @pytest.fixture(autouse=True)
 def interpreted_jax_triton(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    jax_triton_interpret.install(monkeypatch)
 
 
 def _j(t):

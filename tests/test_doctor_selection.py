@@ -48,12 +48,12 @@ def _ran(q_shape, k_shape, dtype, causal, monkeypatch) -> tuple[str, bool]:
         return impl
 
     bridge.clear_cache()  # no executable traced earlier: this call selects afresh
-    monkeypatch.setattr(sdpa_module, "_plans", {})
+    monkeypatch.setattr(sdpa_module, "_prepared", {})
     monkeypatch.setattr(AttentionRegistry, "select", classmethod(spy))
     q, k, v = (torch.randn(*shape, dtype=dtype) for shape in (q_shape, k_shape, k_shape))
     scaled_dot_product_attention(q, k, v, is_causal=causal)
-    (plan,) = sdpa_module._plans.values()
-    if plan.native_call is not None:
+    (prepared,) = sdpa_module._prepared.values()
+    if prepared.native_call is not None:
         return "flash", True  # the native launcher runs the flash kernels, without jax_core's selection
     assert picked, "the XLA path ran without selecting an implementation"
     return picked[-1], False

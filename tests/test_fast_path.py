@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import jaxattn.bridge as bridge
-from jaxattn.bridge import JaxOp, call_plan, dlpack, jax_op
+from jaxattn.bridge import JaxOp, dlpack, jax_op, prepared_call
 from jaxattn.torch_api import scaled_dot_product_attention, set_finite_check
 from jaxattn.torch_api import sdpa as sdpa_module
 
@@ -41,7 +41,7 @@ def pair(x, y):
 
 @jax_op(name="tests.test_fast_path.static_kind")
 def static_kind(x, *, k):
-    # the result tells which Python type k had: 1, 1.0 and True hash alike but must not share a plan
+    # the result tells which Python type k had: 1, 1.0 and True hash alike but must not share a prepared call
     marker = 3.0 if isinstance(k, bool) else 2.0 if isinstance(k, int) else 1.0
     return x * 0 + marker
 
@@ -84,17 +84,30 @@ def _fresh(*tensors, grad=True):
 def count_direct(monkeypatch):
     """Counts executions of the direct (custom-op free) forward."""
     counter = {"n": 0}
-    original = call_plan.CallPlan.run
+    original = prepared_call.PreparedCall.run
 
     def run(self, tensors, keep):
         counter["n"] += 1
         return original(self, tensors, keep)
 
-    monkeypatch.setattr(call_plan.CallPlan, "run", run)
+    monkeypatch.setattr(prepared_call.PreparedCall, "run", run)
     return counter
 
 
 # --- the fast path is taken and agrees with the general path -------------------------------------
+
+
+def test_prepare_runs_calls_of_its_signature_and_plan_is_its_deprecated_name():
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 7, generator=gen), torch.randn(3, 7, generator=gen)
+    want = mix_torch(x, None, w, alpha=0.7)
+    prepared = mix.prepare(x, None, w, alpha=0.7)
+    assert isinstance(prepared, prepared_call.PreparedCall)
+    torch.testing.assert_close(prepared(x, None, w), want)
+    with pytest.warns(DeprecationWarning, match=r"JaxOp.plan is deprecated: use .prepare"):
+        old = mix.plan(x, None, w, alpha=0.7)
+    torch.testing.assert_close(old(x, None, w), want)
+
 
 
 def test_eager_call_skips_custom_op_and_matches_torch(count_direct):
@@ -149,13 +162,13 @@ def test_two_outputs_partial_cotangent_and_broadcast_argument():
     torch.testing.assert_close(y.grad, y_t.grad)
 
 
-def test_static_arguments_of_equal_hash_get_their_own_plans():
+def test_static_arguments_of_equal_hash_get_their_own_prepared_calls():
     x = torch.ones(3)
     for k, marker in ((1, 2.0), (1.0, 1.0), (True, 3.0), (1, 2.0), ((1, 2), 1.0)):
         torch.testing.assert_close(static_kind(x, k=k), torch.full((3,), marker))
 
 
-def test_signature_changes_take_new_plans_with_right_results():
+def test_signature_changes_take_new_prepared_calls_with_right_results():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(8, 8, generator=g)
     x = torch.randn(8, 8, generator=g)
@@ -324,19 +337,19 @@ def test_cache_bound_holds_on_the_fast_path():
         _cache_probe(a, k=1.5)
         _cache_probe(b, k=1.5)
         misses = bridge.cache_info().misses
-        out = _cache_probe(a, k=1.5)  # evicted by b's executable: rebuilt although its plan is memoised
+        out = _cache_probe(a, k=1.5)  # evicted by b's executable: rebuilt although its prepared call is memoised
         assert bridge.cache_info().misses == misses + 1 and bridge.cache_info().size == 1
         torch.testing.assert_close(out, a * 1.5)
     finally:
         bridge.set_cache_size(info.maxsize)
 
 
-def test_clear_cache_resets_counters_and_plans():
+def test_clear_cache_resets_counters_and_prepared_calls():
     _cache_probe(torch.randn(29, 2), k=1.0)
     bridge.clear_cache()
     info = bridge.cache_info()
     assert (info.hits, info.misses, info.size, info.compile_time_s) == (0, 0, 0, 0.0)
-    assert not _cache_probe._plans
+    assert not _cache_probe._prepared
     torch.testing.assert_close(_cache_probe(torch.ones(29, 2), k=4.0), torch.full((29, 2), 4.0))
     assert bridge.cache_info().misses == 1
 
@@ -414,13 +427,13 @@ def test_sdpa_memo_tells_views_and_grad_modes_apart():
 
 
 def test_sdpa_memo_is_bounded(monkeypatch):
-    monkeypatch.setattr(sdpa_module, "MAX_PLANS", 2)
-    sdpa_module._plans.clear()
+    monkeypatch.setattr(sdpa_module, "MAX_PREPARED", 2)
+    sdpa_module._prepared.clear()
     g = torch.Generator().manual_seed(10)
     for n in (5, 6, 7, 5):
         q = torch.randn(1, 2, n, 8, generator=g)
         torch.testing.assert_close(scaled_dot_product_attention(q, q, q), _math(q, q, q))
-        assert len(sdpa_module._plans) <= 2
+        assert len(sdpa_module._prepared) <= 2
 
 
 def test_sdpa_dispatch_mode_takes_the_custom_op():
@@ -430,7 +443,7 @@ def test_sdpa_dispatch_mode_takes_the_custom_op():
     assert torch.equal(out, scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
-def test_threads_share_plans_safely():
+def test_threads_share_prepared_calls_safely():
     g = torch.Generator().manual_seed(12)
     inputs = [[torch.randn(2, 4, 21, 8, generator=g, requires_grad=True) for _ in range(3)] for _ in range(4)]
     results, errors = [None] * 4, []

@@ -1,7 +1,7 @@
 """`jaxattn.flash_attn_interface`: flash-attn 2's functions, checked against flash-attn's documented
-behaviour. The oracle is `flash_reference` below, written from flash-attn's docstrings in its own
-(B, L, H, D) layout: explicit scores in float64, the bottom-right causal / window rules, the soft cap,
-the ALiBi bias, a softmax. On CPU the XLA reference path serves the calls; the GPU class at the end
+behaviour. The oracle is `flash_reference` below: flash-attn's documented rules (bottom-right
+causal / window, the soft cap, the ALiBi bias, dropout with a given keep mask) in its own
+(B, L, H, D) layout, mapped onto the suite's float64 oracle (tests/attention_reference.py). On CPU the XLA reference path serves the calls; the GPU class at the end
 runs the Triton kernels under flash-attn's bf16/fp16 error rule."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from attention_reference import assert_dtype_rule
+from attention_reference import alibi_bias, assert_dtype_rule, reference
 
 import jaxattn.flash_attn_interface as alias
 from jaxattn.torch_api import AttentionInputError, sdpa_launcher
@@ -25,38 +25,22 @@ def flash_reference(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
                     softmax_scale=None, keep=None, dropout_p=0.0, dtype=torch.float64):
     """q (B, L, Hq, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> out (B, L, Hq, Dv), lse (B, Hq, L) in `dtype`.
 
-    flash-attn's rules: query i sits at diagonal position i + S - L; causal keeps keys j <= i + S - L;
-    window (left, right) keeps [i + S - L - left, i + S - L + right] (-1: unbounded; a side >= S is
-    unbounded; causal forces right = 0); ALiBi adds -slope * |i + S - L - j|; `keep` (B, Hq, L, S) is a
-    dropout keep mask (kept weights scaled by 1 / (1 - dropout_p)). Rows that see nothing: out 0, lse -inf.
+    flash-attn's arguments mapped onto the suite's oracle (tests/attention_reference.py): query i sits
+    at diagonal position i + S - L (bottom-right); window (left, right) keeps [i + S - L - left,
+    i + S - L + right] (-1: unbounded; a side >= S is unbounded; causal forces right = 0); ALiBi adds
+    -slope * |i + S - L - j|; `keep` (B, Hq, L, S) is a dropout keep mask (kept weights scaled by
+    1 / (1 - dropout_p)). Rows that see nothing: out 0, lse -inf.
     """
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    b, l, hq, d = q.shape
-    s, hk = k.shape[1], k.shape[2]
-    k, v = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
-    scores = torch.einsum("blhd,bshd->bhls", q, k) * (d ** -0.5 if softmax_scale is None else softmax_scale)
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    diag = torch.arange(l, device=q.device)[:, None] + s - l
-    j = torch.arange(s, device=q.device)[None, :]
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.to(dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, hq, 1, 1)
-        scores = scores - slopes * (diag - j).abs().to(dtype)
+    l, s = q.shape[1], k.shape[1]
     left, right = (-1 if w >= s else w for w in window_size)
     if causal:
         right = 0
-    visible = torch.ones(l, s, dtype=torch.bool, device=q.device)
-    if left >= 0:
-        visible &= j >= diag - left
-    if right >= 0:
-        visible &= j <= diag + right
-    # a finite stand-in for -inf keeps the softmax and its gradient finite on rows that see nothing
-    scores = scores.masked_fill(~visible, torch.finfo(dtype).min)
-    probs = torch.softmax(scores, dim=-1) * visible
-    lse = torch.logsumexp(scores, dim=-1).masked_fill(~visible.any(-1), -math.inf)
-    if keep is not None:
-        probs = probs * keep / (1 - dropout_p)
-    return torch.einsum("bhls,bshd->blhd", probs, v), lse
+    window = None if (left, right) == (-1, -1) else (left, right)
+    bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, l, s, device=q.device)
+    out, lse = reference(*(t.transpose(1, 2) for t in (q, k, v)), alignment="bottom_right", window=window,
+                         softcap=softcap or None, scale=softmax_scale, bias=bias, dropout_keep=keep,
+                         dropout_p=dropout_p, dtype=dtype)
+    return out.transpose(1, 2), lse
 
 
 def make(gen, *shape, grad=True):

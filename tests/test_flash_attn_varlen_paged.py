@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import jax_triton_interpret
-from attention_reference import assert_close_finite, varlen_reference
+from attention_reference import assert_close_finite, varlen_alibi_bias, varlen_reference
 
 import jaxattn.torch_api.flash as flash_module
 from jaxattn.bridge.triton_launch import can_launch
@@ -64,25 +64,14 @@ def gather_keys(pool: torch.Tensor, table: torch.Tensor, page_size: int) -> torc
     return torch.stack(rows)
 
 
-def alibi_bias(slopes: torch.Tensor, hq: int) -> torch.Tensor:
-    """(1, Hq, total_q, total_k) float64: -slope * |i + S_n - L_n - j| inside sequence n's block."""
-    cu_q, cu_k = cumulative(LENS_Q).tolist(), cumulative(LENS_K).tolist()
-    bias = torch.zeros(1, hq, cu_q[-1], cu_k[-1], dtype=torch.float64)
-    for n, (l, s) in enumerate(zip(LENS_Q, LENS_K)):
-        row = (slopes[n] if slopes.dim() == 2 else slopes).double()[:, None, None]
-        i = torch.arange(l, dtype=torch.float64)[:, None]
-        j = torch.arange(s, dtype=torch.float64)[None, :]
-        bias[0, :, cu_q[n]:cu_q[n + 1], cu_k[n]:cu_k[n + 1]] = -row * (i + s - l - j).abs()
-    return bias
-
-
 def reference(q, k_pool, v_pool, table, page_size, *, causal=False, window_size=(-1, -1), softcap=0.0,
               softmax_scale=None, alibi_slopes=None):
     """float64 out (total_q, Hq, Dv) and LSE (Hq, total_q), differentiable in the given leaves."""
     k, v = (gather_keys(pool, table, page_size).double() for pool in (k_pool, v_pool))
     left, right = window_size
     window = None if (left, right) == (-1, -1) else (left, -1 if causal else right)
-    bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, q.shape[1])
+    bias = None if alibi_slopes is None else varlen_alibi_bias(
+        alibi_slopes, cumulative(LENS_Q), cumulative(LENS_K), q.shape[0], k.shape[0])
     out, lse = varlen_reference(q.double().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                 cumulative(LENS_Q), cumulative(LENS_K), causal=causal, alignment="bottom_right",
                                 window=window, softcap=softcap or None, scale=softmax_scale, bias=bias)

@@ -1,15 +1,14 @@
 """Tiles that a bool mask or a -inf bias masks entirely are skipped by the flash kernels.
 
 The GPU path (JAX wrapper, custom VJP, entry kernels, Triton kernels) runs here under Triton's
-interpreter through the jax-triton stand-in (compiled on a CUDA machine with jax-triton). The
+interpreter through the jax-triton stand-in (compiled on a CUDA machine, through jax-triton where
+JAX runs on the GPU with it installed). The
 oracle is the float64 reference of tests/attention_reference.py. Skipping is proven by poison:
 keys, values or queries inside fully masked tiles are NaN, which any computed tile would spread
 (0 * NaN = NaN in P @ V and in dS^T @ Q).
 """
 
 import dataclasses
-import importlib.util
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +23,13 @@ from attention_reference import assert_close_finite, reference_grads  # noqa: E4
 
 from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 
-ON_GPU = (torch.cuda.is_available() and jax.default_backend() == "gpu"
-          and importlib.util.find_spec("jax_triton") is not None)
+ON_GPU = jax_triton_interpret.real_jax_triton_runs()  # else the stand-in launches the kernels
 TILE = 64  # every float32 tile of the kernels at head dim <= 64 is a multiple of this (CPU and H100)
 
 
 @pytest.fixture(autouse=True)
 def interpreted_jax_triton(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    jax_triton_interpret.install(monkeypatch)
 
 
 def _j(t, dtype=np.float32):

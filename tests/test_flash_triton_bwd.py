@@ -6,10 +6,10 @@ No forward kernel is involved: out and lse come from the float64 oracle of tests
 float64 torch autograd of the same oracle.
 
 Where the kernels run: conftest.py sets TRITON_INTERPRET=1 for the whole session on machines without a
-GPU, before anything imports triton. This file used to set it itself at import, which on a GPU machine
-switched every later @triton.jit kernel of the session to the interpreter (so conftest had to drop
-the file there). Now the file follows the session: interpreted -> CPU tensors, else CUDA tensors
-and the compiled kernels, so the same cases also check the real kernels on a GPU.
+GPU, before anything imports triton; this file never sets it (a file that did would switch every
+later @triton.jit kernel of a GPU session to the interpreter). It follows the session: interpreted ->
+CPU tensors, else CUDA tensors and the compiled kernels, so the same cases also check the real kernels
+on a GPU.
 """
 
 import dataclasses

@@ -3,12 +3,11 @@
 `jax_triton.triton_call` is replaced by an interpreter stand-in (tests/jax_triton_interpret.py), so
 segment ids, varlen packing and dropout run through exactly the code a GPU runs, on small shapes.
 The oracle is a float64 torch computation of the documented math (dropout: the kernels' own keep
-mask, materialised by `dropout_mask_kernel`, applied in float64). On a machine with CUDA, JAX on
-GPU and jax-triton, the same tests run the compiled kernels instead (float32 inputs, tf32x3 dots).
+mask, materialised by `dropout_mask_kernel`, applied in float64). On a CUDA machine the same tests
+run the compiled kernels (float32 inputs, tf32x3 dots): through jax-triton where JAX runs on the GPU
+with it installed, through the stand-in otherwise.
 """
 
-import importlib.util
-import sys
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -26,14 +25,12 @@ from thorough_grid import grid  # noqa: E402
 from jaxattn.jax_core.kernels import flash_jax_triton as fj  # noqa: E402
 
 
-ON_GPU = (torch.cuda.is_available() and jax.default_backend() == "gpu"
-          and importlib.util.find_spec("jax_triton") is not None)
+ON_GPU = jax_triton_interpret.real_jax_triton_runs()  # else the stand-in launches the kernels
 
 
 @pytest.fixture(autouse=True)
 def interpreted_jax_triton(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    jax_triton_interpret.install(monkeypatch)
 
 
 def _rand(gen, *shape):

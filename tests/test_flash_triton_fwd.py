@@ -4,11 +4,11 @@ interpreter on CPU tensors elsewhere.
 The kernel (jax_core/kernels/flash_fwd_triton.py) is checked against the float64 oracle of
 tests/attention_reference.py (FLASH_CONTRACT.md's math).
 
-Where the kernels run: conftest.py sets TRITON_INTERPRET=1 for the whole session on machines without a
-GPU, before anything imports triton. This file used to set it itself at import, which on a GPU machine
-switched every later @triton.jit kernel of the session to the interpreter (so conftest had to drop
-the file there). Now the file follows the session: interpreted -> CPU tensors, else CUDA tensors
-and the compiled kernel, so the same tests also check the real kernel on a GPU.
+Where the kernel runs: conftest.py sets TRITON_INTERPRET=1 for the whole session on machines without a
+GPU, before anything imports triton; this file never sets it (a file that did would switch every
+later @triton.jit kernel of a GPU session to the interpreter). It follows the session: interpreted ->
+CPU tensors, else CUDA tensors and the compiled kernel, so the same cases also check the real kernel
+on a GPU.
 """
 
 import os

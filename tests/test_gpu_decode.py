@@ -1,13 +1,16 @@
-"""Decode attention on CUDA (the Triton kernels through jax-triton) via the torch API: the CPU
-grid (cache layouts, GQA 1/4/8, q_len 1/4, ragged lengths incl. 1 and S_max and an empty sequence,
-window, soft cap, sinks, ALiBi) in bf16/fp16, with flash-attn's rule: our error against a float64
-reference is at most twice torch's error in the same dtype, plus 1e-3. Skipped without a CUDA
-device or jax-triton."""
+"""Decode attention on CUDA via the torch API: the CPU grid (cache layouts, GQA 1/4/8, q_len 1/4,
+ragged lengths incl. 1 and S_max and an empty sequence, window, soft cap, sinks, ALiBi) in bf16/fp16, with
+flash-attn's rule: our error against a float64 reference is at most twice torch's error in the same
+dtype, plus 1e-3. Calls without gradients launch the Triton kernels from torch (triton, which the
+test extra installs on Linux, is all they need); the call with gradients runs the XLA path, whose
+Triton kernels go through jax-triton with JAX on the GPU. Skipped without a CUDA device or triton;
+the XLA-path test also without jax-triton or JAX on the GPU."""
 
 import importlib.util
 import os
 import sys
 
+import jax
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,8 +23,15 @@ from jaxattn.torch_api import KVCache, decode_attention, scaled_dot_product_atte
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None, reason="needs jax-triton (the gpu extra: pip install -e '.[gpu]' in the jaxattn checkout)"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="needs triton (the test extra: pip install -e '.[test]' in the jaxattn checkout)"),
 ]
+# A decode call that needs gradients runs the XLA path: JAX on the GPU launching the kernels through jax-triton.
+XLA_PATH_ON_GPU = (torch.cuda.is_available() and importlib.util.find_spec("jax_triton") is not None
+                   and jax.default_backend() == "gpu")
+needs_xla_path = pytest.mark.skipif(
+    not XLA_PATH_ON_GPU, reason="the call with gradients runs the XLA path: needs jax-triton and JAX on the GPU "
+                                "(the gpu extra: pip install -e '.[gpu]' in the jaxattn checkout, and a CUDA jaxlib)")
 
 DEV = "cuda"
 B, HKV, S = 5, 2, 1008  # S a multiple of the page size (16)
@@ -109,6 +119,7 @@ def test_float32_on_gpu():
     assert _err(out, ref) < 2e-4  # tf32x3 dots
 
 
+@needs_xla_path
 def test_sdpa_drop_in_decoding_call_is_right_automatic_or_forced_to_decode():
     gen = torch.Generator(device=DEV).manual_seed(4)
     q = torch.randn(2, 8, 1, 128, generator=gen, device=DEV).bfloat16().requires_grad_()

@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from attention_reference import assert_dtype_rule, reference, seqused_reference, used_rows, varlen_reference
+from attention_reference import (alibi_bias, assert_dtype_rule, reference, seqused_reference, used_rows,
+                                 varlen_reference)
 
 from jaxattn.torch_api import flash_attention, scaled_dot_product_attention, sdpa_launcher
 
@@ -238,8 +239,7 @@ def test_flash_alibi_on_gpu(case, dtype):
     alignment = case.pop("alignment", "top_left")
     kw = dict(causal=case.get("causal", False), window=case.get("window"), softcap=case.get("softcap"))
     out = flash_attention(q, k, v, causal_alignment=alignment, alibi_slopes=slopes, implementation="flash", **kw)
-    distance = (torch.arange(l, device=DEV)[:, None] + (s - l) - torch.arange(s, device=DEV)[None, :]).abs()
-    bias = -slopes.double().reshape(-1, hq)[:, :, None, None] * distance.double()
+    bias = alibi_bias(slopes, l, s, device=DEV)
     ref, _ = reference(q, k, v, alignment=alignment, bias=bias, **kw)
     low, _ = reference(q, k, v, alignment=alignment, bias=bias, dtype=dtype, **kw)
     dout = torch.randn(out.shape, generator=gen, device=DEV).to(dtype)

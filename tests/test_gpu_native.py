@@ -41,7 +41,7 @@ def test_repeated_eager_calls_take_the_direct_launch(monkeypatch):
     from jaxattn.torch_api import sdpa as sdpa_module
 
     monkeypatch.setenv("JAXATTN_TRITON_PROGRAMS", "0")  # the default Python launch path (the compiled one is tested below)
-    monkeypatch.setattr(sdpa_module, "_plans", {})
+    monkeypatch.setattr(sdpa_module, "_prepared", {})
     q, k, v = _qkv(b=1, hq=4, hk=2, l=128, s=128, grad=True)
     call = lambda: scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
     call().float().sum().backward()
@@ -66,7 +66,7 @@ def test_compiled_program_replays_the_launches_bit_for_bit(monkeypatch):
 
     monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
     assert triton_program.wait(600), triton_program.build_error()
-    monkeypatch.setattr(sdpa_module, "_plans", {})
+    monkeypatch.setattr(sdpa_module, "_prepared", {})
     gen = torch.Generator(device=DEV).manual_seed(7)
     b, hq, hk, l, d = 2, 8, 4, 97, 80
     base = [torch.randn(b, l, h, d, generator=gen, device=DEV, dtype=torch.bfloat16) for h in (hq, hk, hk)]
@@ -80,8 +80,8 @@ def test_compiled_program_replays_the_launches_bit_for_bit(monkeypatch):
         return out.detach(), q.grad, k.grad, v.grad
 
     python_path = step(cot.transpose(1, 2))  # the first call plans and compiles, on the Python path
-    plan = next(p for p in sdpa_module._plans.values() if p.native_call is not None)
-    assert isinstance(plan.native_call._programs.get("train"), int)
+    prepared = next(p for p in sdpa_module._prepared.values() if p.native_call is not None)
+    assert isinstance(prepared.native_call._programs.get("train"), int)
     called = []
     real_apply = triton_program.apply
     monkeypatch.setattr(triton_program, "apply", lambda *a: called.append(1) or real_apply(*a))
@@ -134,8 +134,8 @@ def test_decoding_steps_run_compiled_programs_with_their_lengths(monkeypatch):
 
     monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
     assert triton_program.wait(600), triton_program.build_error()
-    monkeypatch.setattr(sdpa_module, "_plans", {})
-    monkeypatch.setattr(sdpa_module, "_decoding_plans", {})
+    monkeypatch.setattr(sdpa_module, "_prepared", {})
+    monkeypatch.setattr(sdpa_module, "_prepared_decoding", {})
     gen = torch.Generator(device=DEV).manual_seed(9)
     b, hq, hk, d = 3, 32, 8, 64
     cache = [torch.randn(b, 300, hk, d, generator=gen, device=DEV, dtype=torch.bfloat16) for _ in "kv"]
@@ -147,9 +147,9 @@ def test_decoding_steps_run_compiled_programs_with_their_lengths(monkeypatch):
         k, v = (c[:, :s].transpose(1, 2) for c in cache)
         with torch.no_grad():
             layers = [scaled_dot_product_attention(q, k, v, enable_gqa=True) for _ in range(3)]
-        plan = next(p for p in sdpa_module._plans.values() if p.native is not None and p.seq_k == s)
+        prepared = next(p for p in sdpa_module._prepared.values() if p.native is not None and p.seq_k == s)
         with torch.no_grad():
-            python_path = flash_forward(q, k, v, plan.native)[0]  # the op's Python launch path
+            python_path = flash_forward(q, k, v, prepared.native)[0]  # the op's Python launch path
         for out in layers:
             assert torch.equal(out, python_path), s
         want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)

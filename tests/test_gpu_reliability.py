@@ -17,7 +17,7 @@ against that reference, plus FLOOR.
    case of 2.)
 2. CUDA graphs: capturing a jaxattn call in `torch.cuda.graph`, in a subprocess (a crash or a hang
    must not take the test session down): calls through the XLA bridge must raise a clear
-   exception, natively launched flash must capture with correct replays (GRAPH_OUTCOME); a crash,
+   exception, natively launched flash and decode must capture with correct replays (GRAPH_OUTCOME); a crash,
    a hang, an unclear exception, the other outcome or wrong numbers fail.
 3. Out of memory: a vanilla call whose (S x L) logits cannot fit raises a memory error; the next
    normal call works and is correct.
@@ -305,11 +305,12 @@ print("GRAPH done", flush=True)
 """
 
 GRAPH_TIMEOUT_S = 150
-#: What capturing each implementation's call does. flash runs natively (its Triton kernels launched
-#: from torch on the capture stream, torch_api/launch.py): the capture records them and its replays
-#: must recompute correctly. The others run through the XLA bridge, which refuses a capture before
-#: any CUDA work with an error saying so (bridge/dlpack.py).
-GRAPH_OUTCOME = {"vanilla": "raised", "sdpa": "raised", "decode": "raised", "flash": "captured"}
+#: What capturing each implementation's call does. flash and decode run natively (their Triton
+#: kernels launched from torch on the capture stream: torch_api/launch.py, torch_api/native_decode.py;
+#: the decode call needs no gradient, so it takes the native launch): the capture records them and
+#: its replays must recompute correctly. vanilla and sdpa run through the XLA bridge, which refuses a
+#: capture before any CUDA work with an error saying so (bridge/dlpack.py).
+GRAPH_OUTCOME = {"vanilla": "raised", "sdpa": "raised", "decode": "captured", "flash": "captured"}
 
 
 def _text(x):

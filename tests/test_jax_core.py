@@ -298,20 +298,35 @@ def registry_cleanup():
 
 def test_list_and_get_implementations():
     names = AttentionRegistry.list_implementations()
-    assert {"vanilla", "sdpa", "cudnn", "cuda_flash_attn2"} <= set(names)
+    assert {"vanilla", "sdpa", "cudnn"} <= set(names) and "cuda_flash_attn2" not in names
     assert names == sorted(names)
     sdpa_cls = AttentionRegistry.get("sdpa")
-    assert AttentionRegistry.get("cudnn") is sdpa_cls and AttentionRegistry.get("cuda_flash_attn2") is sdpa_cls
+    assert AttentionRegistry.get("cudnn") is sdpa_cls
     assert sdpa_cls.canonical_name() == "sdpa"
     assert AttentionRegistry.get("vanilla").canonical_name() == "vanilla"
     assert {"sdpa", "vanilla"} <= set(AttentionRegistry.canonical_names())
     with pytest.raises(ValueError) as info:
         AttentionRegistry.get("no_such_impl")
     assert "no_such_impl" in str(info.value)
-    for name in ("vanilla", "sdpa", "cudnn", "cuda_flash_attn2"):
+    for name in ("vanilla", "sdpa", "cudnn"):
         assert name in str(info.value)
     with pytest.raises(ValueError, match="not registered"):
         AttentionRegistry.get(["unhashable"])  # type: ignore[arg-type]
+
+
+def test_deprecated_name_runs_its_replacement_with_a_warning():
+    """`cuda_flash_attn2` named cuDNN's fused attention (through sdpa): it still resolves, everywhere a
+    name is taken, with a DeprecationWarning naming `cudnn`."""
+    sdpa_cls = AttentionRegistry.get("sdpa")
+    with pytest.warns(DeprecationWarning, match="implementation='cuda_flash_attn2' is deprecated.*'cudnn'"):
+        assert AttentionRegistry.get("cuda_flash_attn2") is sdpa_cls
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, 2, 8)), jnp.float32)
+    with pytest.warns(DeprecationWarning, match="'cudnn'"):
+        old = attention(q, q, q, implementation="cuda_flash_attn2").attention_outputs
+    with pytest.warns(DeprecationWarning, match="'cudnn'"):
+        chosen = AttentionRegistry.select(_inputs(), implementation=("cuda_flash_attn2", "vanilla"))
+    assert chosen is sdpa_cls
+    np.testing.assert_array_equal(old, attention(q, q, q, implementation="cudnn").attention_outputs)
 
 
 def test_create_returns_instance():

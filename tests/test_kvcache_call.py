@@ -2,8 +2,9 @@
 
 Oracle: `expected` below, written from the definitions in float64: the cache after the append as an
 explicit tensor (new keys rotated at their positions through complex multiplication), queries
-rotated the same way, each query's visible keys from lengths / starts / causal / window, ALiBi as
--slope * distance, a plain softmax. Caches hold NaN outside each sequence's valid region (paged:
+rotated the same way, then per sequence the suite's float64 oracle (tests/attention_reference.py)
+on its visible slots [start, length) with the queries at the last positions (bottom-right), the
+window, the soft cap, sinks and ALiBi as -slope * distance. Caches hold NaN outside each sequence's valid region (paged:
 in unused and spare pages too), so reading a slot that is not part of the sequence shows. The cache
 contents after the call are compared exactly where no rotary applies.
 
@@ -18,7 +19,7 @@ import math
 import pytest
 import torch
 
-from attention_reference import assert_dtype_rule
+from attention_reference import alibi_bias, assert_dtype_rule, reference
 from decode_cases import layout_cache
 
 from jaxattn.bridge.triton_launch import can_launch
@@ -57,7 +58,6 @@ def expected(q, dense_k, dense_v, lengths, starts, k_new=None, v_new=None, *, ro
 
     rotary: None or (cos, sin, interleaved, shared_q_position)."""
     b, t, hq, d = q.shape
-    hk = dense_k.shape[2]
     t_new = 0 if k_new is None else k_new.shape[1]
     scale = d ** -0.5 if scale is None else scale
     ck, cv, qq = dense_k.to(dtype).clone(), dense_v.to(dtype).clone(), q.to(dtype).clone()
@@ -77,32 +77,16 @@ def expected(q, dense_k, dense_v, lengths, starts, k_new=None, v_new=None, *, ro
             qq[i] = torch.stack([rotate(q[i, n].double(), cos[p].double(), sin[p].double(), inter)
                                  for n, p in enumerate(pos)]).to(dtype)
         end = length + t_new
-        keys = torch.arange(start, end)
-        pos_q = end - t + torch.arange(t)
-        vis = torch.ones(t, len(keys), dtype=torch.bool)
-        if causal:
-            vis &= keys[None, :] <= pos_q[:, None]
-        if window[0] >= 0:
-            vis &= keys[None, :] >= pos_q[:, None] - window[0]
-        if window[1] >= 0:
-            vis &= keys[None, :] <= pos_q[:, None] + window[1]
-        kk = ck[i, start:end].repeat_interleave(hq // hk, dim=1)  # (n, Hq, D)
-        vv = cv[i, start:end].repeat_interleave(hq // hk, dim=1)
-        logits = torch.einsum("thd,nhd->htn", qq[i], kk) * scale
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        if alibi is not None:
-            slopes = (alibi[i] if alibi.dim() == 2 else alibi).to(dtype)
-            logits = logits - slopes[:, None, None] * (pos_q[:, None] - keys[None, :]).abs().to(dtype)
-        logits = logits.masked_fill(~vis, -math.inf)
-        if sinks is not None:
-            logits = torch.cat((logits, sinks.to(dtype)[:, None, None].expand(hq, t, 1)), -1)
-        row_lse = torch.logsumexp(logits.double(), -1)
-        weights = torch.exp(logits.double() - torch.where(row_lse.isfinite(), row_lse, 0)[..., None]).to(dtype)
-        if sinks is not None:
-            weights = weights[..., :-1]
-        out[i] = torch.einsum("htn,nhd->thd", weights, vv)
-        lse[i] = row_lse
+        # sequence i's visible slots [start, end) and its t queries at the last positions: the oracle's
+        # bottom-right alignment, and ALiBi's distance |end - t + n - (start + j)| is its default offset
+        n_keys = max(end - start, 0)
+        kk, vv = (c[i, start:start + n_keys].transpose(0, 1)[None] for c in (ck, cv))  # (1, Hk, n, D)
+        bias = None if alibi is None else alibi_bias(alibi[i] if alibi.dim() == 2 else alibi, t, n_keys)
+        o, row_lse = reference(qq[i].transpose(0, 1)[None], kk, vv, causal=causal, alignment="bottom_right",
+                               window=None if tuple(window) == (-1, -1) else tuple(window), softcap=softcap,
+                               sinks=sinks, scale=scale, bias=bias, dtype=dtype)
+        out[i] = o[0].transpose(0, 1)
+        lse[i] = row_lse[0].double()
     return out, lse, ck, cv
 
 

@@ -10,11 +10,8 @@ small tiles and few programs, so that segments are cut into several partial resu
 """
 
 import dataclasses
-import importlib.util
-import sys
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,7 +32,6 @@ from jaxattn.torch_api import KVCache, decode_attention, sdpa_launcher  # noqa: 
 from jaxattn.torch_api import native_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ON_GPU = DEVICE == "cuda" and jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
 pytestmark = pytest.mark.skipif(not can_launch(torch.device(DEVICE)), reason="needs CUDA or TRITON_INTERPRET=1")
 # float32 runs its dots as tf32x3 on a GPU (near fp32); exact fp32 products under the interpreter.
 TOL = 2e-4 if DEVICE == "cuda" else 2e-5
@@ -47,8 +43,7 @@ STARTS = torch.tensor([0, 3, 9, 0], dtype=torch.int32)
 
 @pytest.fixture(autouse=True)
 def interpreted_jax_triton(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    jax_triton_interpret.install(monkeypatch)
 
 
 # --- the segment table ----------------------------------------------------------------------------
@@ -273,7 +268,6 @@ class SmallLaunch(DecodeConfig):
         return self.min_share
 
 
-@pytest.mark.skipif(DEVICE == "cuda" and not ON_GPU, reason="needs JAX on the GPU with jax-triton")
 @pytest.mark.parametrize("layout", ["BSHD", "paged"])
 def test_native_and_jax_launchers_bit_identical(layout):
     """The torch launcher on a (B, T, Hq, D) view of q equals the JAX launcher bit for bit (out and

@@ -4,11 +4,9 @@ On CPU the kernels run under Triton's interpreter on torch CPU tensors (conftest
 TRITON_INTERPRET=1 without a GPU), forced with `sdpa_launcher("native")`; on a CUDA machine the
 same tests run the compiled kernels. The oracle is torch's SDPA (math) in float64 or the float64
 reference of tests/attention_reference.py. Bit-identity of the two launchers is tested against the
-JAX launcher (jax-triton, replaced on CPU by the interpreter stand-in).
+JAX launcher (jax-triton where JAX runs on the GPU with it installed, else the stand-in).
 """
 
-import importlib.util
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +31,7 @@ from jaxattn.torch_api import sdpa as sdpa_module  # noqa: E402
 from jaxattn.torch_api.native_flash import flash_forward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ON_GPU = DEVICE == "cuda" and jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
+ON_GPU = jax_triton_interpret.real_jax_triton_runs()  # else the stand-in launches the kernels
 pytestmark = pytest.mark.skipif(not can_launch(torch.device(DEVICE)), reason="needs CUDA or TRITON_INTERPRET=1")
 # float32 runs its dots as tf32x3 on a GPU (near fp32); exact fp32 products under the interpreter.
 TOL = 2e-4 if DEVICE == "cuda" else 2e-5
@@ -41,8 +39,7 @@ TOL = 2e-4 if DEVICE == "cuda" else 2e-5
 
 @pytest.fixture(autouse=True)
 def interpreted_jax_triton(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    jax_triton_interpret.install(monkeypatch)
 
 
 def _randn(gen, *shape, transposed=False):
@@ -204,8 +201,7 @@ def test_dropout_uses_the_kernels_keep_mask_and_torch_rng():
     (out * cot).sum().backward()
     keep = _keep_mask(seed, b * h, l, s, p).reshape(b, h, l, s)
     leaves = _f64(q, k, v)
-    probs = torch.softmax((leaves[0] @ leaves[1].transpose(-1, -2)) * d ** -0.5, dim=-1)
-    ref = (probs * keep / (1 - p)) @ leaves[2]
+    ref, _ = reference(*leaves, dropout_keep=keep.cpu(), dropout_p=p)
     (ref * cot.double().cpu()).sum().backward()
     assert_close_finite("out", out.detach().double().cpu(), ref.detach(), TOL)
     for name, got, want in zip("qkv", (q, k, v), leaves):
@@ -381,10 +377,11 @@ def test_growing_cache_steps_rebind_one_planned_forward(monkeypatch):
     monkeypatch.setattr(native_flash, "_plan_launches", lambda *a: planned.append(a) or real_plan(*a))
     monkeypatch.setattr(native_flash, "_LAUNCHES", {})
     monkeypatch.setattr(native_flash, "_FOLLOWS_KEYS", {})
-    real_init = sdpa_module._Plan.__init__
-    monkeypatch.setattr(sdpa_module._Plan, "__init__", lambda self, *a: checked.append(a) or real_init(self, *a))
-    monkeypatch.setattr(sdpa_module, "_plans", {})
-    monkeypatch.setattr(sdpa_module, "_decoding_plans", {})
+    real_init = sdpa_module._PreparedSdpa.__init__
+    monkeypatch.setattr(sdpa_module._PreparedSdpa, "__init__",
+                        lambda self, *a: checked.append(a) or real_init(self, *a))
+    monkeypatch.setattr(sdpa_module, "_prepared", {})
+    monkeypatch.setattr(sdpa_module, "_prepared_decoding", {})
     gen = torch.Generator().manual_seed(5)
     b, hq, hk, d = 2, 4, 2, 16
     cache = torch.randn(b, 40, hk, d, generator=gen).to(DEVICE)

@@ -10,7 +10,6 @@ Shape legend: B batch, H heads, L query length, S key length; masks / biases (B|
 """
 
 import inspect
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -110,9 +109,9 @@ def _check(table, oracle):
 
 @pytest.fixture
 def interpreted_jax_triton(monkeypatch):
-    """jax-triton's launch through the interpreter stand-in (CPU); on a CUDA machine the real one."""
-    if not torch.cuda.is_available():
-        monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
+    """jax-triton's launch: the real one where JAX runs on the GPU with it installed, else the stand-in
+    (interpreted on CPU, compiled on a CUDA machine)."""
+    jax_triton_interpret.install(monkeypatch)
 
 
 # the q-direction tables are checked by default through the JAX launch below, the k-direction here

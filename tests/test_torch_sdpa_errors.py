@@ -343,3 +343,17 @@ def test_attention_input_error_is_runtime_error_and_value_error():
     assert isinstance(info.value, AttentionInputError)
     with pytest.raises(ValueError, match=r"enable_gqa=True"):
         call(q, k, v)
+
+
+# --- deprecated names --------------------------------------------------------------------------------------
+
+
+def test_deprecated_implementation_name_warns_once_and_runs_cudnn():
+    """`cuda_flash_attn2` named cuDNN's fused attention (through sdpa): it still runs, as `cudnn`."""
+    q, k, v = qkv()
+    with pytest.warns(DeprecationWarning, match=r"implementation='cuda_flash_attn2' is deprecated.*'cudnn'") as seen:
+        old = call(q, k, v, implementation="cuda_flash_attn2")
+    assert len([w for w in seen if issubclass(w.category, DeprecationWarning)]) == 1
+    torch.testing.assert_close(old, call(q, k, v, implementation="cudnn"), rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning, match="'cudnn'"), sdpa_implementation("cuda_flash_attn2"):
+        assert current_implementation() == "cudnn"

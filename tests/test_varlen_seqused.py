@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import jax_triton_interpret
-from attention_reference import assert_close_finite, seqused_reference, used_rows
+from attention_reference import assert_close_finite, seqused_reference, used_rows, varlen_alibi_bias
 
 import jaxattn.torch_api.flash as flash_module
 from jaxattn.bridge.triton_launch import can_launch
@@ -89,27 +89,15 @@ def inputs(gen, layout: Layout, hq: int, hk: int, d: int, dv: int):
                                                                                          keep_k)
 
 
-def alibi_bias(layout: Layout, slopes: torch.Tensor, hq: int) -> torch.Tensor:
-    """(1, Hq, used_q total, used_k total) float64: -slope * |i + U_n - L_n - j| inside sequence n's
-    block, L_n and U_n its used query and key counts."""
-    used_q, used_k = layout.used_q or layout.lens_q, layout.used_k or layout.lens_k
-    cu_q, cu_k = cumulative(used_q).tolist(), cumulative(used_k).tolist()
-    bias = torch.zeros(1, hq, cu_q[-1], cu_k[-1], dtype=torch.float64)
-    for n, (l, u) in enumerate(zip(used_q, used_k)):
-        row = (slopes[n] if slopes.dim() == 2 else slopes).double()[:, None, None]
-        i = torch.arange(l, dtype=torch.float64)[:, None]
-        j = torch.arange(u, dtype=torch.float64)[None, :]
-        bias[0, :, cu_q[n]:cu_q[n + 1], cu_k[n]:cu_k[n + 1]] = -row * (i + u - l - j).abs()
-    return bias
-
-
 def reference(layout: Layout, q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, softmax_scale=None,
               alibi_slopes=None, sinks=None, alignment="bottom_right"):
     """float64 out (total_q, Hq, Dv) and LSE (Hq, total_q) on the used rows only, differentiable in
     the given (full, NaN-holding) leaves: the unused rows are never selected."""
     left, right = window_size
     window = None if (left, right) == (-1, -1) else (left, -1 if causal else right)
-    bias = None if alibi_slopes is None else alibi_bias(layout, alibi_slopes, q.shape[1])
+    used_q, used_k = layout.used_q or layout.lens_q, layout.used_k or layout.lens_k
+    bias = None if alibi_slopes is None else varlen_alibi_bias(
+        alibi_slopes, cumulative(used_q), cumulative(used_k), sum(used_q), sum(used_k))
     out, lse = seqused_reference(
         *(x.double().transpose(0, 1)[None] for x in (q, k, v)), cumulative(layout.lens_q),
         cumulative(layout.lens_k), layout.used_q, layout.used_k, causal=causal, alignment=alignment,

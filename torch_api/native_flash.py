@@ -19,7 +19,7 @@ import torch
 from torch.autograd import forward_ad
 
 from ..bridge import triton_program
-from ..bridge.triton_autograd import PlannedCall, TritonOp, cached_hash, recorded
+from ..bridge.triton_autograd import PreparedTritonCall, TritonOp, cached_hash, recorded
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
@@ -415,13 +415,13 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
                     q_ids, kv_ids, cu_q, cu_k, alibi)
 
 
-class NativeFlash(PlannedCall):
-    """The native flash call of one call signature (the drop-in plans one per signature).
+class NativeFlash(PreparedTritonCall):
+    """The native flash call of one call signature (the drop-in prepares one per signature).
 
     `flash_forward` with this signature's settings. A call without bias, mask or dropout (a
     decoding step, a causal prefill, a causal training step) keeps its launches here, since the
     signature fixes them: an eager call that needs no gradient launches directly, one that needs
-    gradients enters autograd through `PlannedCall.apply` with this object as its state, and its
+    gradients enters autograd through `PreparedTritonCall.apply` with this object as its state, and its
     backward finds the backward launches here too (host time is most of a small call's cost, and
     a host-bound model step pays it per layer).
     """

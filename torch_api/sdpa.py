@@ -12,7 +12,7 @@ Causal alignment (`is_causal=True`, as torch: top-left, query i sees keys j <= i
               q2     x x x . .
 
 Per call, everything that depends only on the call's signature (argument checks, the choice of
-implementation, reshapes, bucketing, the bridge's call plan) is looked up in a memo keyed by the
+implementation, reshapes, bucketing, the bridge's prepared call) is looked up in a memo keyed by the
 tensors' types, shapes, strides, dtypes, devices and grad flags and the other arguments; only
 the NaN check (value-dependent, CPU by default) runs every time. Under torch.compile the plain
 path below runs instead, so the graph sees the checks and the custom op.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..bridge import jax_op
-from ..bridge.call_plan import NotPlain, arg_key, static_key
+from ..bridge.prepared_call import NotPlain, arg_key, static_key
 from ..bridge.dlpack import narrow_broadcast
 from ..jax_core import calls
 from .autocast import autocast_dtype, autocast_off, cast
@@ -39,9 +39,9 @@ from .native_flash import NativeFlash
 from .selection import current_implementation, normalize_choice
 from .validation import check_finite, check_mask_shape, check_options, check_qkv, finite_check_applies
 
-#: Signature plans kept before the memo is emptied (each holds keys and small mask tensors).
-MAX_PLANS = 4096
-_plans: dict[tuple, "_Plan"] = {}
+#: Prepared calls kept before the memo is emptied (each holds keys and small mask tensors).
+MAX_PREPARED = 4096
+_prepared: dict[tuple, "_PreparedSdpa"] = {}
 
 
 #: torch's SDPA on the XLA path: (B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev), mask, seed -> (B, Hq, L, Ev).
@@ -93,10 +93,10 @@ def scaled_dot_product_attention(
             isinstance(scale, torch.Tensor) and scale.dim() == 0
             or isinstance(scale, numbers.Real) and not isinstance(scale, (bool, int))):
         scale = float(scale)  # a 0-d tensor or a numpy scalar, as torch accepts
-    # A signature seen before was checked and planned then (a plan exists only for plain, non-empty
+    # A signature seen before was checked and prepared then (a prepared call exists only for plain, non-empty
     # calls outside autocast): the memo comes first, the rare cases below only on a miss.
     sig = None
-    # Under torch.func transforms every call takes the plain path: a plan made outside them may
+    # Under torch.func transforms every call takes the plain path: a call prepared outside them may
     # hold a native launch, which implements none of functorch's rules.
     if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
         try:
@@ -106,16 +106,16 @@ def scaled_dot_product_attention(
                 static_key(tuple(implementation) if type(implementation) is list else implementation),
                 current_implementation(), current_sequence_buckets(), torch.is_grad_enabled(), current_launcher(),
             )
-            plan = _plans.get(sig)
-            if plan is None and attn_mask is None:
-                plan = _grown_plan(sig, query, key, value)
+            prepared = _prepared.get(sig)
+            if prepared is None and attn_mask is None:
+                prepared = _grown_prepared(sig, query, key, value)
         except (NotPlain, AttributeError, TypeError):  # unusual arguments: the plain path checks them
-            sig = plan = None
+            sig = prepared = None
         if sig is not None:
-            if plan is not None and autocast_dtype(query.device) is None:
+            if prepared is not None and autocast_dtype(query.device) is None:
                 if finite_check_applies(query.device):
                     check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
-                return plan(query, key, value, attn_mask)
+                return prepared(query, key, value, attn_mask)
     amp = autocast_dtype(query.device) if isinstance(query, torch.Tensor) else None
     if amp is not None:  # torch's autocast policy for SDPA (see autocast.py)
         kind = query.device.type
@@ -132,39 +132,39 @@ def scaled_dot_product_attention(
             and (0 in query.shape[:-1] or key.shape[-2] == 0 or value.shape[-1] == 0)):
         return _empty(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if sig is not None:
-        plan = _Plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        _plans[sig] = plan
-        _remember_decoding(sig, plan, query, key, value, attn_mask)
+        prepared = _PreparedSdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
+        if len(_prepared) >= MAX_PREPARED:
+            _prepared.clear()
+        _prepared[sig] = prepared
+        _remember_decoding(sig, prepared, query, key, value, attn_mask)
         if finite_check_applies(query.device):
             check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
-        return plan(query, key, value, attn_mask)
+        return prepared(query, key, value, attn_mask)
     return _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation)
 
 
-#: Native decoding plans by their signature without the keys' length and strides: a growing KV cache
-#: meets a new length every step, whose plan is the last one's with its own launch (the checks, the
+#: Prepared native decoding calls by their signature without the keys' length and strides: a growing
+#: KV cache meets a new length every step, whose prepared call is the last one's with its own launch (the checks, the
 #: choice and the kernels' settings do not depend on the length in this range; see `native_config`).
-_decoding_plans: dict[tuple, "_Plan"] = {}
+_prepared_decoding: dict[tuple, "_PreparedSdpa"] = {}
 
 
-def _grown_plan(sig: tuple, query, key, value) -> Optional["_Plan"]:
-    """The plan of a decoding call (L <= 16 < S, no mask) whose signature differs from a planned
-    one's only in the keys' length and strides (kept in the memo), else None."""
+def _grown_prepared(sig: tuple, query, key, value) -> Optional["_PreparedSdpa"]:
+    """The prepared call of a decoding call (L <= 16 < S, no mask) whose signature differs from a
+    prepared one's only in the keys' length and strides (kept in the memo), else None."""
     if not (query.dim() == key.dim() == value.dim() == 4 and query.shape[2] <= 16 < key.shape[2]
             <= NATIVE_DECODE_MAX_KEYS and key.shape[2] == value.shape[2]):
         return None
     family = (sig[0], _lengthless(key), _lengthless(value), *sig[3:])
-    plan = _decoding_plans.get(family)
-    if plan is None:
+    prepared = _prepared_decoding.get(family)
+    if prepared is None:
         return None
-    grown = copy.copy(plan)
+    grown = copy.copy(prepared)
     grown.seq_k = key.shape[2]
-    grown.native_call = NativeFlash(plan.native)
-    if len(_plans) >= MAX_PLANS:
-        _plans.clear()
-    _plans[sig] = grown
+    grown.native_call = NativeFlash(prepared.native)
+    if len(_prepared) >= MAX_PREPARED:
+        _prepared.clear()
+    _prepared[sig] = grown
     return grown
 
 
@@ -174,11 +174,11 @@ def _lengthless(t: torch.Tensor) -> tuple:
     return (type(t), t.shape[:2], t.shape[3], t.dtype, t.device, t.requires_grad, t.is_leaf, 0 in t.stride())
 
 
-def _remember_decoding(sig: tuple, plan: "_Plan", query, key, value, attn_mask) -> None:
-    if plan.direct and attn_mask is None and query.shape[2] <= 16 < key.shape[2] <= NATIVE_DECODE_MAX_KEYS:
-        if len(_decoding_plans) >= MAX_PLANS:
-            _decoding_plans.clear()
-        _decoding_plans[(sig[0], _lengthless(key), _lengthless(value), *sig[3:])] = plan
+def _remember_decoding(sig: tuple, prepared: "_PreparedSdpa", query, key, value, attn_mask) -> None:
+    if prepared.direct and attn_mask is None and query.shape[2] <= 16 < key.shape[2] <= NATIVE_DECODE_MAX_KEYS:
+        if len(_prepared_decoding) >= MAX_PREPARED:
+            _prepared_decoding.clear()
+        _prepared_decoding[(sig[0], _lengthless(key), _lengthless(value), *sig[3:])] = prepared
 
 
 def _empty(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -199,13 +199,13 @@ def _plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     check_options(attn_mask, dropout_p, is_causal, scale, query)
     choice = normalize_choice(implementation) if implementation is not None else current_implementation()
     check_finite({"query": query, "key": key, "value": value, "attn_mask": attn_mask})
-    return _Plan.checked(query, key, value, attn_mask, dropout_p, is_causal, scale, choice)(
-        query, key, value, attn_mask, plan_ops=False
+    return _PreparedSdpa.checked(query, key, value, attn_mask, dropout_p, is_causal, scale, choice)(
+        query, key, value, attn_mask, use_prepared_call=False
     )
 
 
-class _Plan:
-    """One signature's call: checks done, implementation chosen, reshapes and padding planned."""
+class _PreparedSdpa:
+    """One signature's call, prepared: checks done, implementation chosen, reshapes and padding worked out."""
 
     def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, implementation):
         check_qkv(query, key, value, enable_gqa)
@@ -215,14 +215,14 @@ class _Plan:
         if self.native is not None:
             return
         q4, k4, v4, mask4, seed = self._operands(query, key, value, attn_mask, draw_seed=False)
-        self.call = _sdpa_jax.plan(q4, k4, v4, mask4, seed, **self.static)
+        self.call = _sdpa_jax.prepare(q4, k4, v4, mask4, seed, **self.static)
 
     @classmethod
-    def checked(cls, query, key, value, attn_mask, dropout_p, is_causal, scale, choice) -> "_Plan":
-        """A plan for already checked arguments, without a bridge call plan (torch.compile's path)."""
-        plan = cls.__new__(cls)
-        plan._setup(query, key, value, attn_mask, dropout_p, is_causal, scale, choice, current_sequence_buckets())
-        return plan
+    def checked(cls, query, key, value, attn_mask, dropout_p, is_causal, scale, choice) -> "_PreparedSdpa":
+        """A prepared call for already checked arguments, without the bridge's prepared call (torch.compile's path)."""
+        prepared = cls.__new__(cls)
+        prepared._setup(query, key, value, attn_mask, dropout_p, is_causal, scale, choice, current_sequence_buckets())
+        return prepared
 
     def _setup(self, query, key, value, attn_mask, dropout_p, is_causal, scale, choice, buckets):
         self.squeeze = query.dim() == 2  # (L, E): one sequence, one head
@@ -273,7 +273,7 @@ class _Plan:
 
     # -- per call -----------------------------------------------------------------------------------
 
-    def __call__(self, query, key, value, attn_mask, plan_ops: bool = True):
+    def __call__(self, query, key, value, attn_mask, use_prepared_call: bool = True):
         if self.direct:
             return self.native_call(query, key, value)
         q4, k4, v4, mask4, seed = self._operands(query, key, value, attn_mask)
@@ -281,7 +281,7 @@ class _Plan:
             is_bool = mask4 is not None and mask4.dtype == torch.bool
             out = self.native_call(q4, k4, v4, bias=None if is_bool else mask4, mask=mask4 if is_bool else None,
                                    seed=seed)
-        elif plan_ops:
+        elif use_prepared_call:
             out = self.call(q4, k4, v4, mask4, seed)
         else:
             out = _sdpa_jax(q4, k4, v4, mask4, seed, **self.static)

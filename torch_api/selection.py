@@ -42,12 +42,14 @@ def normalize_choice(implementation: Union[None, str, Sequence[str]], argument: 
     if implementation is None:
         return None
     if isinstance(implementation, str):
+        implementation = AttentionRegistry.current_name(implementation)  # a deprecated name warns once, here
         AttentionRegistry.get(implementation)
         return implementation
     if isinstance(implementation, (list, tuple)) and implementation and all(isinstance(n, str) for n in implementation):
-        for name in implementation:
+        names = tuple(AttentionRegistry.current_name(name) for name in implementation)
+        for name in names:
             AttentionRegistry.get(name)
-        return tuple(implementation)
+        return names
     raise TypeError(
         f"{argument}={implementation!r}: expected None, a registered name or a non-empty list of names; "
         f"registered: {AttentionRegistry.list_implementations()}."

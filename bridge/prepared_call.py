@@ -1,6 +1,6 @@
 """The per-call fast path of `jax_op`: everything that depends only on a call's signature, resolved once.
 
-A `CallPlan` belongs to one signature: per tensor argument its type, shape, strides, dtype, device,
+A `PreparedCall` belongs to one signature: per tensor argument its type, shape, strides, dtype, device,
 requires_grad and leafness, the static keyword arguments, and torch's grad mode. It holds the
 narrowing of broadcast dims, the call's `CallSpec` (a value: no string is built or read per call),
 the executable's cache key and the JAX device,
@@ -149,7 +149,7 @@ def spec_key(n_args: int, present: tuple, fulls: tuple, static: tuple, with_vjp:
     return intern(n_args, present, fulls, static, with_vjp).key
 
 
-class CallPlan:
+class PreparedCall:
     """Runs calls of one `JaxOp` with one signature (see the module docstring).
 
     Args:
@@ -183,7 +183,7 @@ class CallPlan:
     # -- the hot path -------------------------------------------------------------------------------
 
     def __call__(self, *args: Optional[torch.Tensor]):
-        """Runs a call whose arguments have this plan's signature."""
+        """Runs a call whose arguments have this prepared's signature."""
         if _fork_guard._forked_after_runtime:
             check_not_forked(self.op_name)
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
@@ -235,10 +235,10 @@ class _EagerCall(torch.autograd.Function):
     """The differentiable eager call: forward and backward executables without custom-op dispatch."""
 
     @staticmethod
-    def forward(ctx, plan: CallPlan, *tensors: torch.Tensor):
-        outs, arrays, results, torch_stream, trace = plan.run(tensors, keep=True)
+    def forward(ctx, prepared: PreparedCall, *tensors: torch.Tensor):
+        outs, arrays, results, torch_stream, trace = prepared.run(tensors, keep=True)
         n_out = len(outs)
-        ctx.plan, ctx.trace = plan, trace
+        ctx.prepared, ctx.trace = prepared, trace
         ctx.set_materialize_grads(False)
         if _saved_tensor_hooks_active():
             # Hooks (checkpointing, offloading) must see every saved tensor: hand the residuals
@@ -254,16 +254,16 @@ class _EagerCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
-        plan: CallPlan = ctx.plan
-        n_in = len(plan.floating)
-        needed = tuple(i for i in range(n_in) if ctx.needs_input_grad[i + 1] and plan.floating[i])
+        prepared: PreparedCall = ctx.prepared
+        n_in = len(prepared.floating)
+        needed = tuple(i for i in range(n_in) if ctx.needs_input_grad[i + 1] and prepared.floating[i])
         result: list[Optional[torch.Tensor]] = [None] * (n_in + 1)
         if not needed:
             return tuple(result)
         saved = ctx.saved_tensors  # raises if a saved tensor was modified in place
         trace = ctx.trace
         if torch.is_grad_enabled():  # create_graph=True: gradients torch can differentiate again
-            computed = differentiable_grads(plan._op, plan.spec, saved[:n_in], grads, needed, trace.out_sig)
+            computed = differentiable_grads(prepared._op, prepared.spec, saved[:n_in], grads, needed, trace.out_sig)
             for i, g in zip(needed, computed):
                 result[i + 1] = g
             return tuple(result)
@@ -275,18 +275,19 @@ class _EagerCall(torch.autograd.Function):
             if tuple(g.shape) != shape or g.dtype != dtype:
                 g = g.to(dtype).expand(shape)
             cotangents.append(dlpack.importable(g))
-        sig = plan.shapes_dtypes + trace.out_sig + tuple(trace.out_sig[j] for j in present)
-        call = backward_call(plan.op_name, plan.spec, (present, needed), trace, n_in, sig, plan.jax_device)
+        sig = prepared.shapes_dtypes + trace.out_sig + tuple(trace.out_sig[j] for j in present)
+        call = backward_call(prepared.op_name, prepared.spec, (present, needed), trace, n_in, sig, prepared.jax_device)
         with jax.enable_x64(True) if trace.x64 else contextlib.nullcontext():
-            if plan.cuda:
-                jax_stream, torch_stream = cuda_handshake(plan.device, plan.jax_device)
+            if prepared.cuda:
+                jax_stream, torch_stream = cuda_handshake(prepared.device, prepared.jax_device)
             else:
                 jax_stream = torch_stream = None
             if ctx.arrays is not None:
                 base = ctx.arrays
             else:
-                base = import_tensors([dlpack.importable(t) for t in saved], plan.jax_device, jax_stream)
-            computed = export_arrays(call(*base, *import_tensors(cotangents, plan.jax_device, jax_stream)), torch_stream)
+                base = import_tensors([dlpack.importable(t) for t in saved], prepared.jax_device, jax_stream)
+            cots = import_tensors(cotangents, prepared.jax_device, jax_stream)
+            computed = export_arrays(call(*base, *cots), torch_stream)
         if not _keeps_graph():
             ctx.arrays = None  # as torch frees saved tensors after a backward that keeps no graph
         for i, g in zip(needed, computed):
