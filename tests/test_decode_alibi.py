@@ -333,7 +333,8 @@ def test_pallas_tpu_kernel_in_interpret_mode(layout, groups, t, causal, per_batc
     pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
     c = _case(17 + groups + t, groups, t, layout, per_batch=per_batch)
     md = AttentionMetadata(platform="tpu", backend="tpu")
-    with pltpu.force_tpu_interpret_mode():
+    # On the host's CPU device: interpreted on a GPU, the kernel's float32 dots would run as TF32.
+    with pltpu.force_tpu_interpret_mode(), jax.default_device(jax.devices("cpu")[0]):
         out = decode_attention(_j(c["q"]).swapaxes(1, 2), _j(c["kc"]), _j(c["vc"]), _j(LENGTHS), starts=_j(STARTS),
                                block_table=_j(c["table"]), sliding_window=11, logits_soft_cap=3.0,
                                softmax_aux=_j(c["sinks"]), cache_layout="paged" if layout == "paged" else layout,
