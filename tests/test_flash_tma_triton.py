@@ -181,8 +181,8 @@ def test_plan_rejects_unaligned_and_non_unit_strides():
     good = Operand((1, 2, 97, 64), (97 * 64, 97 * 64, 64, 1))
     padded = Operand((1, 2, 97, 64), (97 * 72, 97 * 72, 72, 1))  # 144-byte rows: aligned
     fwd_tma_launch(good, padded, good, good, dtype_bytes=2, scale=1.0, causal=False)
-    unaligned = Operand((1, 2, 97, 64), (104 * 65, 104 * 65, 65, 1))  # 130-byte rows
-    with pytest.raises(ValueError, match=r"k.strides\[2\]=65: expected a positive multiple of 8 elements"):
+    unaligned = Operand((1, 2, 97, 64), (104 * 68, 104 * 68, 68, 1))  # 136-byte rows
+    with pytest.raises(ValueError, match=r"k.strides\[2\]=68: expected a positive multiple of 8 elements"):
         fwd_tma_launch(good, unaligned, good, good, dtype_bytes=2, scale=1.0, causal=False)
     strided = Operand((1, 2, 97, 64), (97 * 128, 97 * 128, 128, 2))
     with pytest.raises(ValueError, match=r"v.strides\[3\] \(head-dim stride\)=2"):
