@@ -171,6 +171,7 @@ def test_plan_grid_and_arguments():
     (dict(k=(1, 3, 130, 64)), r"k.dims\[1\] \(KV heads\)=3"),
     (dict(dtype_bytes=1), r"dtype_bytes=1"),
     (dict(tile=TmaTile(block_m=96)), r"tile.block_m=96"),
+    (dict(tile=TmaTile(block_n=512)), r"tile.block_n=512: expected a power of two in \[16, 256\]"),
     (dict(tile=TmaTile(num_warps=2)), r"tile.num_warps=2"),
     (dict(scale=float("nan")), r"scale=nan"),
     (dict(base_addresses=[0, 8, 0, 0]), r"k data address='0x8'"),

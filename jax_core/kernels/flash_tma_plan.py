@@ -31,8 +31,8 @@ class TmaTile(NamedTuple):
     """Launch choices of the prototype (the things a benchmark varies).
 
     Attributes:
-        block_m: query rows per program (power of two, >= 16).
-        block_n: keys per loop step (power of two, >= 16).
+        block_m: query rows per program (power of two in [16, 256]).
+        block_n: keys per loop step (power of two in [16, 256]).
         num_warps: warps per program.
         num_stages: software-pipeline depth of the key loops (`tl.range(num_stages=...)`, and the
             kernel-level setting).
@@ -87,8 +87,9 @@ def _seq_stride(op: Operand) -> int:
 def _check_tile(tile: TmaTile) -> None:
     for name in ("block_m", "block_n"):
         value = getattr(tile, name)
-        if not isinstance(value, int) or value < 16 or value & (value - 1):
-            _fail(f"tile.{name}", value, "a power of two >= 16", "tl.dot needs tiles of at least 16 on NVIDIA GPUs.")
+        if not isinstance(value, int) or value < 16 or value > 256 or value & (value - 1):
+            _fail(f"tile.{name}", value, "a power of two in [16, 256]",
+                  "tl.dot needs tiles of at least 16 on NVIDIA GPUs; a TMA box has at most 256 rows.")
     if tile.num_warps not in (4, 8):
         _fail("tile.num_warps", tile.num_warps, "4 or 8", "Hopper's warp-group dots use groups of 4 warps.")
     if not isinstance(tile.num_stages, int) or tile.num_stages < 1:
