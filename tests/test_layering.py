@@ -92,3 +92,14 @@ def test_allowed_torch_api_jax_imports_still_exist():
     for name in TORCH_API_JAX_ALLOWED:
         source = (pathlib.Path(torch_api.__file__).parent / name).read_text()
         assert _imports_package(imported_modules(source), "jax"), name
+
+
+def test_no_import_path_manipulation():
+    """The three layers are found by the installed package's mapping (`[tool.setuptools.package-dir]`),
+    never by editing `sys.path` or a package's `__path__` at import time."""
+    import jaxattn
+
+    roots = [pathlib.Path(m.__file__).parent for m in (jaxattn, jc, bridge, torch_api)]
+    pattern = re.compile(r"\b(sys\.path|__path__)\b")
+    offenders = [str(f) for root in roots for f in sorted(root.glob("*.py")) if pattern.search(f.read_text())]
+    assert offenders == []
