@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 from .capabilities import AttentionInputs, Capabilities, CausalAlignment
 from .masks import alibi_bias
 from .metadata import AttentionMetadata, Mode, backend_of, platform_of
+from .visibility import Visibility
 
 Layout = Literal["BTHD", "BHTD"]
 
@@ -379,11 +380,7 @@ def _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, 
         raise ValueError(f"mask: expected dtype bool, got {mask.dtype}; pass float masks as `bias`.")
     if softmax_aux is not None and (softmax_aux.ndim not in (1, 2) or softmax_aux.shape[0] != hq):
         raise ValueError(f"softmax_aux: expected shape (Hq,) or (Hq, n) with Hq={hq}, got {tuple(softmax_aux.shape)}.")
-    if causal_alignment not in ("top_left", "bottom_right"):
-        raise ValueError(f"causal_alignment={causal_alignment!r}: expected 'top_left' or 'bottom_right'.")
-    if sliding_window is not None:
-        if len(sliding_window) != 2 or any(not isinstance(w, int) or w < -1 for w in sliding_window):
-            raise ValueError(f"sliding_window={sliding_window!r}: expected (left, right) ints >= -1.")
+    Visibility.of(False, causal_alignment, sliding_window)  # raises naming the bad argument
 
 
 def _check_alibi(slopes, query, cu_seqlens) -> None:

@@ -17,8 +17,8 @@ block of a longer sequence (a ring step) adds -slope * |q_pos - k_pos| of its gl
 
 Visibility inside a block is a `Band`: query row i sees key column j iff lo <= j - i <= hi (either
 bound may be None = unbounded), intersected with segment ids (equal ids only) and, for padded
-inputs, a key-count limit. Causal top-left is Band(None, 0); a sliding window (left, right) around
-the diagonal is Band(-left, right).
+inputs, a key-count limit. `Visibility.band` gives it from a causal flag, alignment and window
+(causal top-left is Band(None, 0); a window (left, right) around the diagonal is Band(-left, right)).
 
 Shape legend: B batch, T query length, S key length, Hq query heads, Hk key/value heads
 (Hq % Hk == 0, G = Hq // Hk query heads per key/value head), D q/k head dim, Dv value head dim.
@@ -34,16 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from .masks import alibi_from_positions
-
-
-class Band(NamedTuple):
-    """Keys j visible from query row i: lo <= j - i <= hi; None means unbounded on that side."""
-
-    lo: Optional[int] = None
-    hi: Optional[int] = None
-
-
-FULL = Band(None, None)
+from .visibility import FULL, Band, Visibility
 
 
 class BlockAlibi(NamedTuple):
@@ -467,7 +458,7 @@ def blockwise_attn(
     out_dtype = jnp.promote_types(dtype, in_dtype)
     ld = jnp.promote_types(jnp.float32, in_dtype) if float32_logits else out_dtype
     kv_len = s if nk * ck != s else None
-    band = Band(None, 0) if causal else FULL
+    band = Visibility(causal=bool(causal)).band(t, s)
     scale = 1.0 / math.sqrt(d)
     q = _pad_to(_groups(query, hk).astype(ld), 1, nq * cq)
     k = _pad_to(key.astype(ld), 1, nk * ck)

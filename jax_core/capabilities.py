@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import jax.numpy as jnp
 
-CausalAlignment = Literal["top_left", "bottom_right"]
+from .visibility import CausalAlignment, Visibility
 
 #: Feature vocabulary shared by all implementations.
 FEATURES = frozenset(
@@ -103,26 +103,19 @@ class AttentionInputs:
         """Describes a call on (B, T, H, D) arrays (anything with `.shape` and `.dtype`).
 
         `segment_ids`, `varlen` and `alibi` say whether segment ids / cu_seqlens / ALiBi slopes are
-        given. With `varlen`,
-        a bottom-right alignment counts as "causal_bottom_right" even when T == S, since the
-        packed sequences may each have L != S.
+        given. The positional features come from `Visibility.features` (with `varlen`, a
+        bottom-right alignment counts as "causal_bottom_right" even when T == S, since the packed
+        sequences may each have L != S; a (-1, -1) window is no window).
         """
         b, t, hq, d = query.shape
         _, s, hk, _ = key.shape
-        features = set()
-        bottom_right = causal_alignment == "bottom_right" and (t != s or varlen)
-        if causal:
-            features.add("causal_bottom_right" if bottom_right else "causal")
-        elif bottom_right and sliding_window is not None:
-            features.add("causal_bottom_right")  # the window follows the bottom-right diagonal
+        features = set(Visibility.of(causal, causal_alignment, sliding_window).features(t, s, varlen=varlen))
         if bias is not None:
             features.add("bias")
         if mask is not None:
             features.add("bool_mask")
         if hk != hq:
             features.add("gqa")
-        if sliding_window is not None:
-            features.add("sliding_window")
         if logits_soft_cap is not None:
             features.add("softcap")
         if softmax_aux is not None:

@@ -55,6 +55,7 @@ from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities, missi
 from .metadata import AttentionMetadata, backend_of, platform_of
 from .registry import AttentionRegistry
 from .vanilla import reference_attention
+from .visibility import Visibility, cache_positions
 
 Kernel = Literal["triton", "pallas", "xla"]
 CacheLayout = Literal["BSHD", "BHSD", "paged"]
@@ -89,21 +90,11 @@ def _swap(x: jax.Array) -> jax.Array:
 def visibility(lengths, starts, t: int, s: int, *, causal: bool, window: tuple[int, int], pos_shift: int = 0):
     """(B, T, S) bool: query t of sequence b sees position j; and (B, S): j in [start, length).
 
-    Query t sits at position lengths[b] - T + t + pos_shift; lengths are clamped to S, starts to 0.
+    Query t sits at position lengths[b] - T + t + pos_shift; lengths are clamped to S, starts to 0
+    (`Visibility.cache_dense`).
     """
-    length = jnp.minimum(lengths.astype(jnp.int32), s)[:, None, None]
-    start = jnp.zeros_like(length) if starts is None else jnp.maximum(starts.astype(jnp.int32), 0)[:, None, None]
-    j = jnp.arange(s, dtype=jnp.int32)[None, None, :]
-    pos = length - t + pos_shift + jnp.arange(t, dtype=jnp.int32)[None, :, None]
-    written = (j >= start) & (j < length)
-    visible = written
-    if causal:
-        visible = visible & (j <= pos)
-    if window[0] >= 0:
-        visible = visible & (j >= pos - window[0])
-    if window[1] >= 0:
-        visible = visible & (j <= pos + window[1])
-    return visible, written[:, 0]
+    rule = Visibility(causal=bool(causal), alignment="bottom_right", window=window)
+    return rule.cache_dense(lengths, starts, t, s, pos_shift=pos_shift)
 
 
 def alibi_logits(slopes: jax.Array, lengths: jax.Array, t: int, s: int) -> jax.Array:
@@ -112,8 +103,7 @@ def alibi_logits(slopes: jax.Array, lengths: jax.Array, t: int, s: int) -> jax.A
     slopes."""
     slopes = jax.lax.stop_gradient(slopes.astype(jnp.float32))
     slopes = slopes[None] if slopes.ndim == 1 else slopes
-    length = jnp.minimum(lengths.astype(jnp.int32), s)[:, None, None]
-    pos = length - t + jnp.arange(t, dtype=jnp.int32)[None, :, None]
+    pos = cache_positions(lengths, t, s)[:, :, None]
     distance = jnp.abs(pos - jnp.arange(s, dtype=jnp.int32)[None, None, :]).astype(jnp.float32)
     return -slopes[:, :, None, None] * distance[:, None]
 
@@ -412,10 +402,9 @@ class DecodeAttn(AttentionImpl):
         t_axis = 1 if layout == "BTHD" else 2
         b, t, s = query.shape[0], query.shape[t_axis], key.shape[t_axis]
         lengths = jnp.full((b,), s, jnp.int32)
-        # pos = length - T + t + shift: bottom-right puts query t at S - T + t, top-left at t.
-        shift = 0 if causal_alignment == "bottom_right" else t - s
-        return self._run(query, key, value, lengths, None, None, softmax_aux, kernel=kernel, causal=causal,
-                         window=tuple(sliding_window) if sliding_window is not None else (-1, -1), pos_shift=shift,
+        rule = Visibility.of(causal, causal_alignment, sliding_window)
+        return self._run(query, key, value, lengths, None, None, softmax_aux, kernel=kernel, causal=rule.causal,
+                         window=rule.window, pos_shift=rule.cache_pos_shift(t, s),
                          softcap=logits_soft_cap, q_layout=layout, cache_layout="BSHD" if layout == "BTHD" else "BHSD",
                          return_lse=True, alibi=alibi_slopes)
 

@@ -28,6 +28,7 @@ from .base import AttentionImpl, AttentionOutput
 from .capabilities import AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
+from .visibility import Visibility
 
 _GPU_FEATURES = frozenset(
     {"causal", "causal_bottom_right", "bias", "bool_mask", "gqa", "sliding_window", "softcap", "sinks", "lse",
@@ -139,17 +140,14 @@ class FlashAttn(AttentionImpl):
         seed = None
         if dropout_rng is not None and self.metadata.dropout_prob > 0:
             seed = jax.lax.bitcast_convert_type(jax.random.bits(dropout_rng, (2,), jnp.uint32), jnp.int32)
-        bottom_right = causal_alignment == "bottom_right"
+        rule = Visibility.of(causal, causal_alignment, sliding_window)
         cfg = FlashConfig(
             scale=self.metadata.scale_for(query.shape[-1]),
-            causal=causal,
-            diag_offset=s - l if bottom_right and varlen is None else 0,
-            window=tuple(sliding_window) if sliding_window is not None else (-1, -1),
+            **rule.flash_settings(l, s, varlen=varlen is not None),
             softcap=logits_soft_cap,
             layout=layout,
             dropout_p=float(self.metadata.dropout_prob) if seed is not None else 0.0,
             varlen=varlen,
-            varlen_bottom_right=bottom_right and varlen is not None,
             fast_tanh=fast_tanh,
         )
         extras = FlashExtras(

@@ -1,17 +1,8 @@
-"""Visibility masks built from positions (causal alignment, sliding window), segment ids and
-varlen packing.
+"""Masks from positions, segment ids and varlen packing, and ALiBi biases, as JAX arrays.
 
-Shape legend: T query length, S key length. Query i sits at diagonal position
-p(i) = i (top-left alignment) or i + S - T (bottom-right alignment):
-
-    top_left, T=3, S=5          bottom_right, T=3, S=5
-        k: 0 1 2 3 4                k: 0 1 2 3 4
-    q0     x . . . .            q0     x x x . .
-    q1     x x . . .            q1     x x x x .
-    q2     x x x . .            q2     x x x x x
-
-Varlen packing (`varlen_mask`) applies the same rule per sequence, with positions local to each
-sequence and the bottom-right offset len_k(n) - len_q(n) of that sequence.
+The positional rule itself (causal alignment, sliding window, per-sequence positions of packed
+sequences) lives in `visibility.Visibility`, with its shape legend and diagrams;
+`positional_mask` and `varlen_mask` are its dense forms in `attention()`'s argument names.
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .capabilities import CausalAlignment
+from .visibility import CausalAlignment, Visibility, sequence_of
 
 
 def positional_mask(
@@ -34,24 +25,11 @@ def positional_mask(
 ) -> Optional[jax.Array]:
     """(T, S) bool mask (True = visible) from causality and a sliding window, or None if all visible.
 
-    The window (left, right) keeps keys j with p(i) - left <= j <= p(i) + right (-1: unbounded);
-    with `causal`, right is 0.
+    The window (left, right) keeps keys j with p(i) - left <= j <= p(i) + right (-1: unbounded),
+    p(i) the diagonal position of query i (`Visibility`); with `causal`, right is 0.
     """
-    if not causal and sliding_window is None:
-        return None
-    offset = kv_len - q_len if causal_alignment == "bottom_right" else 0
-    pos = jnp.arange(q_len)[:, None] + offset
-    key = jnp.arange(kv_len)[None, :]
-    visible = jnp.ones((q_len, kv_len), bool)
-    if causal:
-        visible &= key <= pos
-    if sliding_window is not None:
-        left, right = sliding_window
-        if left >= 0:
-            visible &= key >= pos - left
-        if right >= 0:
-            visible &= key <= pos + right
-    return visible
+    rule = Visibility.of(causal, causal_alignment, sliding_window)
+    return rule.dense(q_len, kv_len) if rule.restricts else None
 
 
 def combine_masks(*masks: Optional[jax.Array]) -> Optional[jax.Array]:
@@ -75,17 +53,9 @@ def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Arr
     return q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
 
 
-def _sequence_of(cu_seqlens: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
-    """For rows 0..length-1 of a packed axis: (sequence index n, row in [cu[0], cu[N]))."""
-    rows = jnp.arange(length)
-    seq = jnp.searchsorted(cu_seqlens[1:], rows, side="right")  # cu[n] <= row < cu[n + 1]
-    inside = (rows >= cu_seqlens[0]) & (rows < cu_seqlens[-1])
-    return jnp.minimum(seq, cu_seqlens.shape[0] - 2), inside
-
-
 def varlen_rows(cu_seqlens: jax.Array, length: int) -> jax.Array:
     """(length,) bool: rows of a packed axis that belong to a sequence, i.e. in [cu[0], cu[N])."""
-    return _sequence_of(jnp.asarray(cu_seqlens, jnp.int32), length)[1]
+    return sequence_of(jnp.asarray(cu_seqlens, jnp.int32), length)[1]
 
 
 def varlen_mask(
@@ -114,26 +84,8 @@ def varlen_mask(
         causal_alignment: "top_left" or "bottom_right", per sequence.
         sliding_window: (left, right) around p(i); -1 = unbounded on that side.
     """
-    cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
-    seq_q, in_q = _sequence_of(cu_q, q_len)
-    seq_k, in_k = _sequence_of(cu_k, kv_len)
-    visible = (seq_q[:, None] == seq_k[None, :]) & in_q[:, None] & in_k[None, :]
-    if causal or sliding_window is not None:
-        pos = jnp.arange(q_len) - cu_q[seq_q]
-        if causal_alignment == "bottom_right":
-            len_q, len_k = jnp.diff(cu_q), jnp.diff(cu_k)
-            pos = pos + (len_k - len_q)[seq_q]
-        pos = pos[:, None]
-        key = (jnp.arange(kv_len) - cu_k[seq_k])[None, :]
-        if causal:
-            visible &= key <= pos
-        if sliding_window is not None:
-            left, right = sliding_window
-            if left >= 0:
-                visible &= key >= pos - left
-            if right >= 0:
-                visible &= key <= pos + right
-    return visible[None, None]
+    rule = Visibility.of(causal, causal_alignment, sliding_window)
+    return rule.varlen_dense(cu_seqlens_q, cu_seqlens_k, q_len, kv_len)[None, None]
 
 
 def alibi_bias(
@@ -166,8 +118,8 @@ def alibi_bias(
     if slopes.ndim == 1:
         slopes = slopes[None]
     cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in cu_seqlens)
-    seq_q, _ = _sequence_of(cu_q, q_len)
-    seq_k, _ = _sequence_of(cu_k, kv_len)
+    seq_q, _ = sequence_of(cu_q, q_len)
+    seq_k, _ = sequence_of(cu_k, kv_len)
     shift = (jnp.diff(cu_k) - jnp.diff(cu_q))[seq_q]
     rows = (jnp.arange(q_len) - cu_q[seq_q] + shift)[:, None]
     keys = (jnp.arange(kv_len) - cu_k[seq_k])[None, :]

@@ -54,6 +54,7 @@ from .blockwise import Band, BlockAlibi, block_backward, block_forward
 from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
+from .visibility import band_flash_settings
 
 KERNELS = ("xla", "triton")
 
@@ -110,13 +111,7 @@ def _triton_config(band: Band, cfg: RingConfig):
     """A FlashConfig whose causal / window / diagonal offset express `band` (see `blockwise.Band`)."""
     from .kernels.flash_jax_triton import FlashConfig
 
-    lo, hi = band
-    if hi is not None:  # j <= i + hi, and with lo: j >= i + hi - (hi - lo)
-        causal, diag, window = True, hi, ((hi - lo) if lo is not None else -1, -1)
-    elif lo is not None:  # j >= i + lo
-        causal, diag, window = False, lo, (0, -1)
-    else:
-        causal, diag, window = False, 0, (-1, -1)
+    causal, diag, window = band_flash_settings(band)
     return FlashConfig(scale=cfg.scale, causal=causal, diag_offset=diag, window=window, softcap=cfg.softcap,
                        layout="BTHD", fast_tanh=cfg.fast_tanh)
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .blockwise import FULL, Band
+from .visibility import FULL, Band, Visibility
 
 Layout = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -310,14 +310,7 @@ def work_per_device(n: int, layout: Layout, q_local: int, kv_local: int, rule: G
 
 def rule_for(causal: bool, sliding_window: Optional[tuple[int, int]]) -> GlobalBand:
     """The GlobalBand of a causal flag and a (left, right) window (-1: unbounded)."""
-    lo = hi = None
-    if sliding_window is not None:
-        left, right = sliding_window
-        lo = None if left < 0 else -left
-        hi = None if right < 0 else right
-    if causal:
-        hi = 0 if hi is None else min(hi, 0)
-    return GlobalBand(lo, hi)
+    return GlobalBand(*Visibility.of(causal, "top_left", sliding_window).band(0, 0))
 
 
 def default_layout(causal: bool, sliding_window: Optional[tuple[int, int]]) -> Layout:

@@ -27,6 +27,7 @@ from ..bridge.triton_launch import can_launch, interpreted
 from ..jax_core import AttentionInputs, AttentionRegistry
 from ..jax_core.flash import FlashAttn
 from ..jax_core.kernels.flash_plan import FlashConfig
+from ..jax_core.visibility import Visibility
 
 Launcher = Literal["auto", "native", "xla"]
 LAUNCHERS = ("auto", "native", "xla")
@@ -223,13 +224,15 @@ def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, c
     if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
         return None
     return FlashConfig(
-        scale=float(scale) if scale is not None else q_shape[3] ** -0.5, causal=bool(causal),
-        diag_offset=s - l if bottom_right and varlen is None else 0,
-        window=tuple(window) if window is not None else (-1, -1),
+        scale=float(scale) if scale is not None else q_shape[3] ** -0.5,
+        **_rule(causal, bottom_right, window).flash_settings(l, s, varlen=varlen is not None),
         softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
-        varlen=None if varlen is None else (int(varlen[0]), int(varlen[1])),
-        varlen_bottom_right=bool(bottom_right) and varlen is not None, fast_tanh=device.type == "cuda",
+        varlen=None if varlen is None else (int(varlen[0]), int(varlen[1])), fast_tanh=device.type == "cuda",
     )
+
+
+def _rule(causal, bottom_right, window) -> Visibility:
+    return Visibility.of(bool(causal), "bottom_right" if bottom_right else "top_left", window)
 
 
 def call_features(l: int, s: int, *, causal: bool = False, bottom_right: bool = False,
@@ -237,16 +240,10 @@ def call_features(l: int, s: int, *, causal: bool = False, bottom_right: bool = 
                   mask: Optional[torch.dtype] = None, dropout_p: float = 0.0, lse: bool = False,
                   segments: bool = False, varlen: Optional[tuple[int, int]] = None, alibi: bool = False) -> set:
     """jax_core's feature names of a (L queries, S keys) call with these options (see `native_config`)."""
-    # Packed sequences align per sequence (the kernels' VARLEN_BOTTOM_RIGHT), never by S - L.
-    shifted = bottom_right and (l != s or varlen is not None)
-    features = set()
-    if causal:
-        features.add("causal_bottom_right" if shifted else "causal")
-    elif shifted and window is not None:
-        features.add("causal_bottom_right")
+    features = set(_rule(causal, bottom_right, window).features(l, s, varlen=varlen is not None))
     if mask is not None:
         features.add("bool_mask" if mask == torch.bool else "bias")
-    for name, on in (("sliding_window", window is not None), ("softcap", softcap is not None), ("sinks", sinks),
+    for name, on in (("softcap", softcap is not None), ("sinks", sinks),
                      ("dropout", dropout_p > 0), ("lse", lse), ("segment_ids", segments), ("varlen", varlen is not None),
                      ("alibi", alibi)):
         if on:
