@@ -67,7 +67,7 @@ CASES = [
     pytest.param(1, 128, 256, 2, 1, 64, True, "bottom_right", 64, 3, jnp.bfloat16, id="causal-br-l<s-bf16"),
     pytest.param(1, 256, 128, 2, 2, 64, True, "bottom_right", 64, 2, jnp.float16, id="causal-br-l>s-empty"),
     pytest.param(1, 256, 384, 2, 2, 64, False, "top_left", 128, 2, jnp.float16, id="full-l<s-bkv128"),
-    pytest.param(1, 128, 512, 4, 1, 128, True, "bottom_right", 128, 3, jnp.float16, id="causal-br-d128-mqa"),
+    pytest.param(1, 128, 512, 4, 1, 128, True, "bottom_right", 128, 2, jnp.float16, id="causal-br-d128-mqa"),
 ]
 
 
@@ -97,6 +97,7 @@ def test_against_float64_oracle(b, l, s, hq, hk, d, causal, alignment, block_kv,
     (dict(hk=3, hq=4), r"query heads 4, KV heads 3"),
     (dict(dtype=jnp.float32), r"q.dtype=float32: expected bfloat16 or float16"),
     (dict(stages=1), r"stages=1: expected at least 2"),
+    (dict(stages=3, d=128), r"stages=3, block_kv=128, head_dim=128: 229376 bytes of shared-memory buffers"),
     (dict(scale=-1.0), r"scale=-1.0: expected a positive"),
 ])
 def test_rejects_bad_arguments(kw, match):

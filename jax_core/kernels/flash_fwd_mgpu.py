@@ -38,6 +38,11 @@ LOG2E = math.log2(math.e)
 M_FLOOR = -1e30
 
 
+#: Shared memory one thread block may use on sm90, and what the kernel keeps free of its buffers.
+SMEM_BYTES = 232448
+SMEM_RESERVE = 4096
+
+
 def _check(q, k, v, scale, block_q, block_kv, stages):
     """Raises ValueError naming the argument, its value and what is expected."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -60,6 +65,13 @@ def _check(q, k, v, scale, block_q, block_kv, stages):
                          "(a wgmma tile is 64 rows)")
     if stages < 2:
         raise ValueError(f"stages={stages}: expected at least 2 (one slot loading while one is read)")
+    # Q/O tiles and the K and V rings; barriers and Mosaic's own scratch take a few KiB more (an
+    # H100 run of D=128, block_kv=128, stages=3: 229,888 bytes of buffers, 232,568 in all).
+    buffers = jnp.dtype(q.dtype).itemsize * (COMPUTE_WGS * block_q * d + 2 * stages * block_kv * d)
+    if buffers > SMEM_BYTES - SMEM_RESERVE:
+        raise ValueError(f"stages={stages}, block_kv={block_kv}, head_dim={d}: {buffers} bytes of shared-memory "
+                         f"buffers, expected at most {SMEM_BYTES - SMEM_RESERVE} (Hopper's {SMEM_BYTES} per block "
+                         f"less {SMEM_RESERVE} for barriers and scratch); hint: fewer stages or a smaller block_kv")
     if l % (COMPUTE_WGS * block_q):
         raise ValueError(f"query length L={l}: expected a multiple of 2 * block_q = {2 * block_q}; "
                          "hint: pad the queries or use the Triton flash kernel")
