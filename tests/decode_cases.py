@@ -2,7 +2,12 @@
 (unwritten slots and unused pages hold NaN, so reading them shows). The oracle for them is
 `attention_reference.decode_reference`."""
 
+import dataclasses
+from typing import Optional
+
 import torch
+
+from jaxattn.jax_core.kernels.decode_plan import DecodeConfig
 
 
 def ragged_cache(gen, b, s, hkv, d, lengths, starts, *, dv=None, dtype=torch.float32, device="cpu"):
@@ -35,3 +40,22 @@ def layout_cache(k, v, layout, *, gen, page_size=8, spare_pages=3):
         p[order] = x.reshape(b * per_seq, page_size, *x.shape[2:])
         pages.append(p)
     return pages[0], pages[1], table
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallLaunch(DecodeConfig):
+    """Decode settings with launch choices for tiny caches: key blocks of 16 positions and `programs`
+    stream programs, each taking at least `min_share` key blocks (None: the product's rule), so that
+    program slices cut segments into several partial results and span several segments."""
+
+    programs: int = 3
+    min_share: Optional[int] = None
+
+    def launch_tiles(self, d, dv, dtype_bytes):
+        return 16, 4, 2
+
+    def stream_programs(self):
+        return self.programs
+
+    def stream_min_share(self, segments, max_blocks, programs):
+        return self.min_share or super().stream_min_share(segments, max_blocks, programs)

@@ -10,10 +10,8 @@ through jax-triton's stand-in (tests/jax_triton_interpret.py) and through the to
 interface, gradients, and the argument checks.
 """
 
-import dataclasses
 import importlib.util
 import sys
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +21,11 @@ import torch
 
 import jax_triton_interpret
 from attention_reference import decode_alibi, decode_reference, from_bthd, reference
-from decode_cases import layout_cache, ragged_cache
+from decode_cases import SmallLaunch, layout_cache, ragged_cache
 
 from jaxattn.bridge import cache_info
 from jaxattn.bridge.triton_launch import can_launch
 from jaxattn.jax_core import AttentionMetadata, attention, decode_attention
-from jaxattn.jax_core.kernels.decode_plan import DecodeConfig
 from jaxattn.torch_api import AttentionInputError, sdpa_launcher
 from jaxattn.torch_api import decode_attention as torch_decode
 
@@ -52,22 +49,6 @@ def interpreted_jax_triton(monkeypatch):
         monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_interpret.module())
 
 
-@dataclasses.dataclass(frozen=True)
-class SmallLaunch(DecodeConfig):
-    """Key blocks of 16 positions, 5 programs of at least one block each: on these tiny caches the
-    programs' slices cut segments into several partial results, each of which adds ALiBi."""
-
-    programs: int = 5
-    min_share: Optional[int] = 1
-
-    def launch_tiles(self, d, dv, dtype_bytes):
-        return 16, 4, 2
-
-    def stream_programs(self):
-        return self.programs
-
-    def stream_min_share(self, segments, max_blocks, programs):
-        return self.min_share
 
 
 def _case(seed, groups, t, layout, *, per_batch, s=S, d=D, lengths=LENGTHS, starts=STARTS):
@@ -242,8 +223,8 @@ def test_jax_triton_launcher(layout, groups, t, causal, window, per_batch, softc
     from jaxattn.jax_core.kernels.decode_jax_triton import decode_attention_triton
 
     c = _case(groups * 7 + t + causal, groups, t, layout, per_batch=per_batch)
-    cfg = SmallLaunch(scale=D ** -0.5, causal=causal, window=window, softcap=softcap, q_layout="BHTD",
-                      cache_layout=layout)
+    cfg = SmallLaunch(scale=D ** -0.5, programs=5, min_share=1, causal=causal, window=window, softcap=softcap,
+                      q_layout="BHTD", cache_layout=layout)
     out, lse = decode_attention_triton(_j(c["q"]), _j(c["kc"]), _j(c["vc"]), _j(LENGTHS), _j(STARTS), _j(c["table"]),
                                        _j(c["sinks"]) if sinks else None, cfg, _j(c["slopes"]))
     _assert_close(_t(out), _t(lse), *_want(c, t, window=window, causal=causal, softcap=softcap, sinks=sinks), 2e-5)
@@ -308,7 +289,8 @@ def test_native_and_jax_launchers_bit_identical(per_batch):
     from jaxattn.torch_api import native_decode
 
     c = _case(33 + per_batch, 4, 3, "paged", per_batch=per_batch)
-    cfg = SmallLaunch(scale=D ** -0.5, causal=not per_batch, window=(20, 2), softcap=4.0, q_layout="BHTD",
+    cfg = SmallLaunch(scale=D ** -0.5, programs=5, min_share=1, causal=not per_batch, window=(20, 2), softcap=4.0,
+                      q_layout="BHTD",
                       cache_layout="paged")
     spec = native_decode.NativeDecodeSpec(cfg)
     out, lse = native_decode.DECODE_OP(spec, c["q"], c["kc"], c["vc"], LENGTHS, STARTS, c["table"], None, c["slopes"])

@@ -9,9 +9,7 @@ CUDA machine the same tests run the compiled kernels (float32 inputs, tf32x3 dot
 where JAX runs on the GPU with it installed, through the stand-in otherwise.
 """
 
-import dataclasses
 import sys
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 import jax_triton_interpret  # noqa: E402
 from attention_reference import decode_reference, reference  # noqa: E402
-from decode_cases import layout_cache, ragged_cache  # noqa: E402
+from decode_cases import SmallLaunch, layout_cache, ragged_cache  # noqa: E402
 
 from jaxattn.jax_core import AttentionMetadata, attention, decode_attention  # noqa: E402
 from jaxattn.jax_core.kernels.decode_jax_triton import DecodeConfig, decode_attention_triton  # noqa: E402
@@ -37,23 +35,6 @@ LENGTHS = torch.tensor([1, S, 23, 0], dtype=torch.int32)  # length 1, a full cac
 STARTS = torch.tensor([0, 3, 9, 0], dtype=torch.int32)
 
 
-@dataclasses.dataclass(frozen=True)
-class SmallLaunch(DecodeConfig):
-    """Key blocks of 16 positions and `programs` stream programs, each taking at least `min_share`
-    key blocks (None: the product's rule): on these tiny caches, slices of one block cut segments
-    into several partial results and span several segments."""
-
-    programs: int = 3
-    min_share: Optional[int] = None
-
-    def launch_tiles(self, d, dv, dtype_bytes):
-        return 16, 4, 2
-
-    def stream_programs(self):
-        return self.programs
-
-    def stream_min_share(self, segments, max_blocks, programs):
-        return self.min_share or super().stream_min_share(segments, max_blocks, programs)
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,6 @@ Bit-identity with the JAX launcher (jax-triton, the interpreter stand-in on CPU)
 small tiles and few programs, so that segments are cut into several partial results.
 """
 
-import dataclasses
-from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +19,7 @@ pytest.importorskip("triton")
 
 import jax_triton_interpret  # noqa: E402
 from attention_reference import decode_reference  # noqa: E402
-from decode_cases import layout_cache, ragged_cache  # noqa: E402
+from decode_cases import SmallLaunch, layout_cache, ragged_cache  # noqa: E402
 
 from jaxattn.bridge import cache_info  # noqa: E402
 from jaxattn.bridge.triton_launch import KernelLaunch, can_launch  # noqa: E402
@@ -250,22 +248,6 @@ def test_native_launcher_refuses_what_it_cannot_run(bad, match):
 # --- the two launchers ----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class SmallLaunch(DecodeConfig):
-    """Key blocks of 16 positions, 5 programs of at least one block each: on these tiny caches the
-    programs' slices cut segments into several partial results and span several segments."""
-
-    programs: int = 5
-    min_share: Optional[int] = 1
-
-    def launch_tiles(self, d, dv, dtype_bytes):
-        return 16, 4, 2
-
-    def stream_programs(self):
-        return self.programs
-
-    def stream_min_share(self, segments, max_blocks, programs):
-        return self.min_share
 
 
 @pytest.mark.parametrize("layout", ["BSHD", "paged"])
@@ -274,7 +256,7 @@ def test_native_and_jax_launchers_bit_identical(layout):
     LSE), and the float64 oracle; the launch cut segments into several partial results."""
     (q, kc, vc, table, sinks), (q_ref, k_ref, v_ref, _) = _case(33, 4, 3, layout)
     sinks = sinks[:, 0].contiguous()
-    cfg = SmallLaunch(scale=D ** -0.5, window=(20, -1), softcap=4.0, q_layout="BHTD", cache_layout=layout)
+    cfg = SmallLaunch(scale=D ** -0.5, programs=5, min_share=1, window=(20, -1), softcap=4.0, q_layout="BHTD", cache_layout=layout)
     lengths, starts = LENGTHS.to(DEVICE), STARTS.to(DEVICE)
     q_view = q.transpose(1, 2).contiguous().transpose(1, 2)
     spec = native_decode.NativeDecodeSpec(cfg)
