@@ -34,7 +34,7 @@ from ..bridge import jax_op
 from ..jax_core import calls
 from ..jax_core.base import DECODE_MAX_QUERY_LEN
 from . import native_decode
-from .validation import AttentionInputError, check_alibi, check_finite, describe, index_tensor
+from .validation import AttentionInputError, block_table_tensor, check_alibi, check_finite, describe, index_tensor
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -189,10 +189,7 @@ def decode_attention(
     lengths = index_tensor("cache_seqlens", cache_seqlens, (b,), "(B,)", q.device)
     starts = None if cache_starts is None else index_tensor("cache_starts", cache_starts, (b,), "(B,)", q.device)
     if paged:
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
-            raise AttentionInputError(f"block_table: expected an int32 tensor of shape (B, max_pages) with B={b}, "
-                                      f"got {describe(block_table)}.")
-        block_table = index_tensor("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", q.device)
+        block_table = block_table_tensor(block_table, b, q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[2 if cache_layout == "BHSD" else 1]

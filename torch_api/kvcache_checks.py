@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .decode import check_pages
-from .validation import AttentionInputError, check_alibi, describe, index_tensor
+from .validation import AttentionInputError, block_table_tensor, check_alibi, describe, index_tensor
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -171,10 +171,7 @@ def check_kvcache_call(q, k_cache, v_cache, cache_seqlens: Union[int, torch.Tens
         if cache_batch_idx is not None:
             raise AttentionInputError("cache_batch_idx: not with block_table (a paged cache has no rows to pick); "
                                       "index the block table instead: block_table[cache_batch_idx].")
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
-            raise AttentionInputError(f"block_table: expected an int32 tensor (B, max_pages) with B={b}, got "
-                                      f"{describe(block_table)}.")
-        block_table = index_tensor("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", q.device)
+        block_table = block_table_tensor(block_table, b, q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]

@@ -248,6 +248,14 @@ def index_tensor(name: str, t, shape: tuple, what: str, device) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
+def block_table_tensor(block_table, b: int, device) -> torch.Tensor:
+    """A cache call's page table: an int32 (or int64, converted) tensor (B, max_pages) on `device`."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
+        raise AttentionInputError(f"block_table: expected an int32 tensor of shape (B, max_pages) with B={b}, "
+                                  f"got {describe(block_table)}.")
+    return index_tensor("block_table", block_table, tuple(block_table.shape), "(B, max_pages)", device)
+
+
 def check_alibi(alibi_slopes, hq: int, batch: int, device: torch.device, batch_name: str = "B") -> None:
     """ALiBi slopes as flash-attn takes them: None, or a float32 tensor (Hq,) or (batch, Hq) on
     `device` (q's). `batch_name` names the batch dim in messages ("N sequences" for varlen calls)."""
