@@ -117,7 +117,7 @@ DYNAMIC_MAX_QUERIES = 16
 def _entries(q: torch.Tensor, k: torch.Tensor) -> dict:
     """Symbolic sizes (one compiled graph for many lengths) take the dynamic entries too: the static
     ones need every size as a compile-time constant."""
-    if _symbolic(q, k):
+    if traced() and _symbolic(q, k):  # only a traced call has symbolic sizes: eager calls skip the scan
         return _ENTRIES["dynamic"]
     return _ENTRIES["dynamic" if q.shape[2] <= DYNAMIC_MAX_QUERIES else "static"]
 
