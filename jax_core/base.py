@@ -253,9 +253,9 @@ class AttentionImpl(abc.ABC):
             alibi_slopes=alibi_slopes,
         )
         check_call(call, arrays)
-        return self.run(call.replace(backend=self.call_backend(arrays)), arrays)
+        return self.run(call.replace(backend=self._call_backend(arrays)), arrays)
 
-    def call_backend(self, arrays: CallArrays) -> str:
+    def _call_backend(self, arrays: CallArrays) -> str:
         """The backend a call on `arrays` runs on: `metadata.backend`, else that of the platform
         (`metadata.platform`, else where the arrays live)."""
         platform = self.metadata.platform or platform_of(*arrays.qkv)
