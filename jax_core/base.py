@@ -98,9 +98,10 @@ class AttentionImpl(abc.ABC):
 
     @classmethod
     def takes_alibi_slopes(cls, inputs: AttentionInputs) -> bool:
-        """Whether the kernels that run `inputs` apply ALiBi slopes themselves (then `forward_*` gets
-        `alibi_slopes=`). Otherwise `__call__` adds the ALiBi bias (`masks.alibi_bias`) to `bias`,
-        so the call needs the "bias" feature instead of "alibi"."""
+        """Whether the kernels that run `inputs` apply ALiBi slopes themselves (then `compute` gets
+        them in `arrays.alibi_slopes`, an overriding `forward_*` as `alibi_slopes=`). Otherwise `run`
+        adds the ALiBi bias (`masks.alibi_bias`) to the bias, so the call needs the "bias" feature
+        instead of "alibi"."""
         return False
 
     @classmethod

@@ -87,8 +87,9 @@ def attention(
 def run_call(call: AttentionCall, arrays: CallArrays, metadata: Optional[AttentionMetadata] = None,
              implementation: Optional[Implementation | str | tuple[str, ...]] = None) -> AttentionOutput:
     """`attention()` on a built call: checks the arrays once, selects, and runs the selected
-    implementation on the checked call (its backend, when None, that of `metadata`, else of the
-    platform the arrays live on)."""
+    implementation on the checked call. The call's scale and dropout probability are the ones
+    used; `metadata` gives the rest (platform, dtypes, mesh, block sizes). A call without a backend
+    runs on that of `metadata`, else of the platform the arrays live on."""
     metadata = _resolved(metadata, *arrays.qkv)
     call = call if call.backend is not None else call.replace(backend=metadata.backend)
     check_call(call, arrays)

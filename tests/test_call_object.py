@@ -21,7 +21,6 @@ import torch
 
 from attention_reference import assert_close_finite, from_bthd, reference, to_bthd
 
-import jaxattn.jax_core as jc
 from jaxattn.jax_core import (
     AttentionCall,
     AttentionImpl,
