@@ -1,12 +1,17 @@
 """`AttentionImpl`: the base every attention implementation derives from.
 
-An implementation declares `capabilities` (and may add `extra_reasons`), provides
-`forward_native` and optionally per-platform variants. `__call__` checks support, then dispatches by
-the platform the inputs live on:
+An implementation declares what it supports (`capabilities`, and `extra_reasons` for rules beyond
+them) and how it computes: `compute(call, arrays)` on an `AttentionCall` and its `CallArrays`,
+branching on `call.backend` where the platforms differ. `__call__` builds the call from its
+keywords, checks the arrays (`validation.check_call`) and support, then runs `compute`.
+
+The EasyDeL-style entry points stay: `forward_native` and the per-platform methods
 
     tpu -> forward_tpu      gpu/cuda -> forward_cuda      gpu/rocm -> forward_rocm      cpu -> forward_cpu
 
-The defaults of the per-platform methods delegate to `forward_native`.
+take the keywords of `__call__` and run `compute` for that backend. A subclass may implement them
+instead of `compute` (`forward_native`, and any platform's variant): `__call__` then runs the
+platform's method it overrides (the defaults delegate to `forward_native`).
 
 Tensors use the (B, T, H, D) layout ("BTHD"); bias and masks are broadcastable to (B, Hq, T, S).
 """
@@ -15,19 +20,17 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar, Literal, Optional
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from .call import AttentionCall, CallArrays, Layout, build_call
 from .capabilities import AttentionInputs, Capabilities, CausalAlignment
 from .masks import alibi_bias
 from .metadata import AttentionMetadata, Mode, backend_of, platform_of
-from .visibility import Visibility
-
-Layout = Literal["BTHD", "BHTD"]
+from .validation import as_int32, check_call
 
 #: The most new queries per sequence that count as decoding (one token, or a few drafted tokens of
 #: speculative decoding) when they attend to a longer key/value cache.
@@ -95,9 +98,10 @@ class AttentionImpl(abc.ABC):
 
     @classmethod
     def takes_alibi_slopes(cls, inputs: AttentionInputs) -> bool:
-        """Whether the kernels that run `inputs` apply ALiBi slopes themselves (then `forward_*` gets
-        `alibi_slopes=`). Otherwise `__call__` adds the ALiBi bias (`masks.alibi_bias`) to `bias`,
-        so the call needs the "bias" feature instead of "alibi"."""
+        """Whether the kernels that run `inputs` apply ALiBi slopes themselves (then `compute` gets
+        them in `arrays.alibi_slopes`, an overriding `forward_*` as `alibi_slopes=`). Otherwise `run`
+        adds the ALiBi bias (`masks.alibi_bias`) to the bias, so the call needs the "bias" feature
+        instead of "alibi"."""
         return False
 
     @classmethod
@@ -242,102 +246,120 @@ class AttentionImpl(abc.ABC):
         """
         if bias is None and mask is None and init_bias is not None:
             bias = init_bias()
-        if layout not in ("BTHD", "BHTD"):
-            raise ValueError(f"layout={layout!r}: expected 'BTHD' or 'BHTD'.")
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            if x.ndim != 4:
-                raise ValueError(f"{name}: expected a 4-D ({layout}) array, got shape {tuple(x.shape)}.")
-        if layout != "BTHD" and layout not in self.layouts:
-            swap = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-            out = self(
-                swap(query), swap(key), swap(value), bias=bias, mask=mask, causal=causal,
-                causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                softmax_aux=softmax_aux, dropout_rng=dropout_rng, return_weights=return_weights,
-                return_lse=return_lse, segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                alibi_slopes=alibi_slopes,
-            )
-            return out.replace(attention_outputs=swap(out.attention_outputs))
-        native = (query, key, value)
-        if layout == "BHTD":  # describe the call in (B, T, H, D) terms
-            query, key, value = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype) for x in native)
-        _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, sliding_window)
-        _check_packing(query, key, segment_ids, cu_seqlens, max_seqlen)
-        _check_alibi(alibi_slopes, query, cu_seqlens)
-        segment_ids, cu_seqlens = _as_int32(segment_ids), _as_int32(cu_seqlens)
-        platform = self.metadata.platform or platform_of(query, key, value)
-        backend = self.metadata.backend or backend_of(platform)
-        inputs = AttentionInputs.from_arrays(
-            query, key, value, platform=platform, backend=backend, bias=bias, mask=mask, causal=causal,
-            causal_alignment=causal_alignment, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-            dropout=dropout_rng is not None and self.metadata.dropout_prob > 0, return_weights=return_weights,
-            return_lse=return_lse, segment_ids=segment_ids is not None, varlen=cu_seqlens is not None,
-            alibi=alibi_slopes is not None,
+        call, arrays = build_call(
+            query, key, value, metadata=self.metadata, backend=None, bias=bias, mask=mask, causal=causal,
+            causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            softmax_aux=softmax_aux, dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse,
+            layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            alibi_slopes=alibi_slopes,
         )
-        reasons = self.not_supported_reasons(inputs, self.metadata)
-        if reasons:
-            raise ValueError(
-                f"implementation {self.canonical_name()!r} cannot run this call: " + "; ".join(reasons)
-            )
-        extra = {}
-        if alibi_slopes is not None and self.takes_alibi_slopes(inputs):
-            extra["alibi_slopes"] = alibi_slopes
-        elif alibi_slopes is not None:
-            alibi = alibi_bias(alibi_slopes, query.shape[1], key.shape[1], cu_seqlens)
-            bias = alibi if bias is None else bias + alibi
-        forward = {
-            "tpu": self.forward_tpu,
-            "cuda": self.forward_cuda,
-            "rocm": self.forward_rocm,
-            "cpu": self.forward_cpu,
-        }.get(backend, self.forward_gpu if platform == "gpu" else self.forward_native)
-        out = forward(
-            *native, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-            dropout_rng=dropout_rng if self.metadata.dropout_prob > 0 else None,
-            return_weights=return_weights, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
-            max_seqlen=None if max_seqlen is None else tuple(max_seqlen),
-            **({"layout": layout} if len(self.layouts) > 1 else {}), **extra,
+        check_call(call, arrays)
+        return self.run(call.replace(backend=self._call_backend(arrays)), arrays)
+
+    def _call_backend(self, arrays: CallArrays) -> str:
+        """The backend a call on `arrays` runs on: `metadata.backend`, else that of the platform
+        (`metadata.platform`, else where the arrays live)."""
+        platform = self.metadata.platform or platform_of(*arrays.qkv)
+        return self.metadata.backend or backend_of(platform)
+
+    def run(self, call: AttentionCall, arrays: CallArrays, inputs: Optional[AttentionInputs] = None) -> AttentionOutput:
+        """Runs a call whose arrays `validation.check_call` accepted.
+
+        `inputs`: the call's signature when its support was already decided (`attention()` selected
+        this implementation for it); None: derived here, and a call this implementation cannot run
+        raises ValueError with every reason. Calls in a layout this implementation does not take
+        run transposed to (B, T, H, D).
+        """
+        if call.layout not in self.layouts:
+            out = self.run(call.replace(layout="BTHD"), arrays.swapped(), inputs)
+            return out.replace(attention_outputs=jnp.swapaxes(out.attention_outputs, 1, 2))
+        if inputs is None:
+            platform = self.metadata.platform or platform_of(*arrays.qkv)
+            inputs = call.inputs(arrays, platform, call.backend or backend_of(platform))
+            reasons = self.not_supported_reasons(inputs, self.metadata)
+            if reasons:
+                raise ValueError(f"implementation {self.canonical_name()!r} cannot run this call: " + "; ".join(reasons))
+        arrays = self._prepared(call, arrays, inputs)
+        forward = self._overriding_forward(call.backend, inputs.platform)
+        if forward is not None:  # an EasyDeL-style subclass that implements a forward_* method
+            out = forward(*arrays.qkv, **call.forward_keywords(
+                arrays, layout=len(self.layouts) > 1, alibi=arrays.alibi_slopes is not None))
+        else:
+            out = self.compute(call, arrays)
+        return out if call.return_lse else out.replace(lse=None)
+
+    def _prepared(self, call: AttentionCall, arrays: CallArrays, inputs: AttentionInputs) -> CallArrays:
+        """The arrays as implementations take them: int32 packing, no dropout key without dropout,
+        and ALiBi as an additive bias where this implementation's kernels lack it."""
+        arrays = arrays.replace(
+            segment_ids=as_int32(arrays.segment_ids), cu_seqlens=as_int32(arrays.cu_seqlens),
+            dropout_rng=arrays.dropout_rng if call.dropout_prob > 0 else None,
         )
-        return out if return_lse else out.replace(lse=None)
+        if arrays.alibi_slopes is None or self.takes_alibi_slopes(inputs):
+            return arrays
+        t, s = arrays.query.shape[call.seq_axis], arrays.key.shape[call.seq_axis]
+        alibi = alibi_bias(arrays.alibi_slopes, t, s, arrays.cu_seqlens)
+        return arrays.replace(bias=alibi if arrays.bias is None else arrays.bias + alibi, alibi_slopes=None)
 
-    @abc.abstractmethod
-    def forward_native(
-        self,
-        query: jax.Array,
-        key: jax.Array,
-        value: jax.Array,
-        *,
-        bias: Optional[jax.Array],
-        mask: Optional[jax.Array],
-        causal: bool,
-        causal_alignment: CausalAlignment,
-        sliding_window: Optional[tuple[int, int]],
-        logits_soft_cap: Optional[float],
-        softmax_aux: Optional[jax.Array],
-        dropout_rng: Optional[jax.Array],
-        return_weights: bool,
-        segment_ids: Optional[tuple[jax.Array, jax.Array]] = None,
-        cu_seqlens: Optional[tuple[jax.Array, jax.Array]] = None,
-        max_seqlen: Optional[tuple[int, int]] = None,
-    ) -> AttentionOutput:
-        """Platform-independent forward; arguments as in `__call__` (segment ids and cu_seqlens
-        as int32 arrays, given only when the capabilities declare "segment_ids" / "varlen")."""
+    def _overriding_forward(self, backend: Optional[str], platform: str) -> Optional[Callable[..., AttentionOutput]]:
+        """The `forward_*` method a subclass overrides for `backend` (following the defaults' delegation:
+        forward_gpu -> forward_cuda -> forward_native, the others -> forward_native), or None when
+        the call goes straight to `compute`."""
+        first = _FORWARD_OF_BACKEND.get(backend, "forward_gpu" if platform == "gpu" else "forward_native")
+        chain = ("forward_gpu", "forward_cuda") if first == "forward_gpu" else (first,)
+        for name in dict.fromkeys(chain + ("forward_native",)):
+            if getattr(type(self), name) is not getattr(AttentionImpl, name):
+                return getattr(self, name)
+        return None
 
-    def forward_cpu(self, *args: Any, **kwargs: Any) -> AttentionOutput:
-        return self.forward_native(*args, **kwargs)
+    # --- computing ------------------------------------------------------------
+    def compute(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
+        """Attention for a checked `call` on `arrays` (in `call.layout`, one of `layouts`), on the
+        kernels of `call.backend` (None: the platform-independent path).
 
-    def forward_tpu(self, *args: Any, **kwargs: Any) -> AttentionOutput:
-        return self.forward_native(*args, **kwargs)
+        `arrays` come as `run` prepares them: segment ids and cu_seqlens int32, a dropout key only
+        with dropout, ALiBi slopes only where `takes_alibi_slopes` (else folded into the bias).
+        Implementations override this; an EasyDeL-style subclass may override `forward_native`
+        (or a platform's `forward_*`) instead.
+        """
+        if type(self).forward_native is AttentionImpl.forward_native:
+            raise NotImplementedError(f"{type(self).__name__} implements neither compute nor forward_native.")
+        return self.forward_native(*arrays.qkv, **call.forward_keywords(
+            arrays, layout=len(self.layouts) > 1, alibi=arrays.alibi_slopes is not None))
 
-    def forward_gpu(self, *args: Any, **kwargs: Any) -> AttentionOutput:
-        return self.forward_cuda(*args, **kwargs)
+    # --- the EasyDeL-style per-platform entry points ---------------------------
+    def _forward(self, backend: Optional[str], query, key, value, keywords: dict[str, Any]) -> AttentionOutput:
+        """A `forward_*` default: delegates to an overriding `forward_native`, else builds the call from
+        the keywords (`call.build_call`, which rejects unknown ones) and runs `compute` for `backend`.
+        The arrays are taken as given (not checked); the LSE is returned when computed."""
+        if backend is not None and type(self).forward_native is not AttentionImpl.forward_native:
+            return self.forward_native(query, key, value, **keywords)
+        call, arrays = build_call(query, key, value, metadata=self.metadata, backend=backend, return_lse=True,
+                                  **keywords)
+        return self.compute(call, arrays)
 
-    def forward_cuda(self, *args: Any, **kwargs: Any) -> AttentionOutput:
-        return self.forward_native(*args, **kwargs)
+    def forward_native(self, query: jax.Array, key: jax.Array, value: jax.Array, **keywords: Any) -> AttentionOutput:
+        """Platform-independent forward; keywords as in `__call__` (bias, mask, causal, ...,
+        alibi_slopes), without return_lse and init_bias."""
+        return self._forward(None, query, key, value, keywords)
 
-    def forward_rocm(self, *args: Any, **kwargs: Any) -> AttentionOutput:
-        return self.forward_native(*args, **kwargs)
+    def forward_cpu(self, query: jax.Array, key: jax.Array, value: jax.Array, **keywords: Any) -> AttentionOutput:
+        return self._forward("cpu", query, key, value, keywords)
+
+    def forward_tpu(self, query: jax.Array, key: jax.Array, value: jax.Array, **keywords: Any) -> AttentionOutput:
+        return self._forward("tpu", query, key, value, keywords)
+
+    def forward_gpu(self, query: jax.Array, key: jax.Array, value: jax.Array, **keywords: Any) -> AttentionOutput:
+        return self.forward_cuda(query, key, value, **keywords)
+
+    def forward_cuda(self, query: jax.Array, key: jax.Array, value: jax.Array, **keywords: Any) -> AttentionOutput:
+        return self._forward("cuda", query, key, value, keywords)
+
+    def forward_rocm(self, query: jax.Array, key: jax.Array, value: jax.Array, **keywords: Any) -> AttentionOutput:
+        return self._forward("rocm", query, key, value, keywords)
+
+
+_FORWARD_OF_BACKEND = {"tpu": "forward_tpu", "cuda": "forward_cuda", "rocm": "forward_rocm", "cpu": "forward_cpu"}
 
 
 def _mesh_reasons(inputs: AttentionInputs, metadata: AttentionMetadata) -> list[str]:
@@ -358,93 +380,3 @@ def _mesh_reasons(inputs: AttentionInputs, metadata: AttentionMetadata) -> list[
     if inputs.num_kv_heads % nh:
         reasons.append(f"num_kv_heads={inputs.num_kv_heads} is not divisible by mesh head axis size {nh}")
     return reasons
-
-
-def _check_shapes(query, key, value, bias, mask, softmax_aux, causal_alignment, sliding_window):
-    b, t, hq, d = query.shape
-    if key.shape[0] != b or value.shape[0] != b:
-        raise ValueError(f"batch sizes differ: query {b}, key {key.shape[0]}, value {value.shape[0]}.")
-    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} disagree on (S, Hk).")
-    if key.shape[3] != d:
-        raise ValueError(f"key head dim {key.shape[3]} != query head dim {d}.")
-    if hq % key.shape[2]:
-        raise ValueError(f"num_q_heads={hq} is not a multiple of num_kv_heads={key.shape[2]}.")
-    full = (b, hq, t, key.shape[1])
-    for name, x in (("bias", bias), ("mask", mask)):
-        if x is None:
-            continue
-        if x.ndim > 4 or any(a not in (1, f) for a, f in zip(x.shape[::-1], full[::-1])):
-            raise ValueError(f"{name}: shape {tuple(x.shape)} is not broadcastable to (B, Hq, T, S)={full}.")
-    if mask is not None and mask.dtype != jnp.bool_:
-        raise ValueError(f"mask: expected dtype bool, got {mask.dtype}; pass float masks as `bias`.")
-    if softmax_aux is not None and (softmax_aux.ndim not in (1, 2) or softmax_aux.shape[0] != hq):
-        raise ValueError(f"softmax_aux: expected shape (Hq,) or (Hq, n) with Hq={hq}, got {tuple(softmax_aux.shape)}.")
-    Visibility.of(False, causal_alignment, sliding_window)  # raises naming the bad argument
-
-
-def _check_alibi(slopes, query, cu_seqlens) -> None:
-    """ALiBi slopes: a float (Hq,) or (B, Hq) array, B the batch or, with cu_seqlens, the sequences."""
-    if slopes is None:
-        return
-    hq = query.shape[2]
-    b = query.shape[0] if cu_seqlens is None else cu_seqlens[0].shape[0] - 1
-    shape = tuple(getattr(slopes, "shape", ()))
-    if not hasattr(slopes, "dtype") or not jnp.issubdtype(slopes.dtype, jnp.floating) or shape not in ((hq,), (b, hq)):
-        what = "sequences" if cu_seqlens is not None else "batch"
-        raise ValueError(f"alibi_slopes: shape {shape} and dtype {getattr(slopes, 'dtype', type(slopes).__name__)}; "
-                         f"expected a float array of shape (Hq,)=({hq},) or (B, Hq)=({b}, {hq}) (B: the {what}).")
-
-
-def _shape_of(x: Any) -> Any:
-    return tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
-
-
-def _is_int_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
-
-
-def _as_pair(name: str, value: Any, what: str) -> tuple[Any, Any]:
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{name}: expected a pair {what}, got {type(value).__name__} {value!r:.80}.")
-    return tuple(value)
-
-
-def _check_packing(query, key, segment_ids, cu_seqlens, max_seqlen) -> None:
-    """Checks segment ids, cu_seqlens and max_seqlen against (B, T, ...) query and (B, S, ...) key."""
-    b, t, s = query.shape[0], query.shape[1], key.shape[1]
-    if segment_ids is not None and cu_seqlens is not None:
-        raise ValueError("segment_ids and cu_seqlens were both given; pass one (segments within a batch row, "
-                         "or varlen sequences packed in a batch of 1).")
-    if segment_ids is not None:
-        ids = _as_pair("segment_ids", segment_ids, "(q_segment_ids (B, T), kv_segment_ids (B, S))")
-        for name, x, want in (("q_segment_ids", ids[0], (b, t)), ("kv_segment_ids", ids[1], (b, s))):
-            if not _is_int_array(x) or tuple(x.shape) != want:
-                raise ValueError(
-                    f"segment_ids: {name} has shape {_shape_of(x)} and dtype {getattr(x, 'dtype', None)}; "
-                    f"expected an integer array of shape {want} (B, {'T' if name[0] == 'q' else 'S'})."
-                )
-    if cu_seqlens is not None:
-        cu = _as_pair("cu_seqlens", cu_seqlens, "(cu_seqlens_q (N + 1,), cu_seqlens_k (N + 1,))")
-        for name, x in zip(("cu_seqlens_q", "cu_seqlens_k"), cu):
-            if not _is_int_array(x) or x.ndim != 1 or x.shape[0] < 2:
-                raise ValueError(
-                    f"cu_seqlens: {name} has shape {_shape_of(x)} and dtype {getattr(x, 'dtype', None)}; "
-                    "expected a 1-D integer array of N + 1 >= 2 cumulative lengths."
-                )
-        if cu[0].shape != cu[1].shape:
-            raise ValueError(f"cu_seqlens: cu_seqlens_q {tuple(cu[0].shape)} and cu_seqlens_k "
-                             f"{tuple(cu[1].shape)} must have the same length N + 1.")
-        if b != 1:
-            raise ValueError(f"cu_seqlens: needs a batch of 1 holding the packed sequences, got batch={b} "
-                             "(reshape to (1, total, H, D)).")
-    if max_seqlen is not None:
-        pair = _as_pair("max_seqlen", max_seqlen, "(max_seqlen_q, max_seqlen_k) of ints")
-        if cu_seqlens is None:
-            raise ValueError(f"max_seqlen={max_seqlen!r}: only meaningful with cu_seqlens.")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in pair):
-            raise ValueError(f"max_seqlen={max_seqlen!r}: expected (max_seqlen_q, max_seqlen_k) Python ints >= 1.")
-
-
-def _as_int32(pair: Optional[tuple[Any, Any]]) -> Optional[tuple[jax.Array, jax.Array]]:
-    return None if pair is None else tuple(jnp.asarray(x).astype(jnp.int32) for x in pair)

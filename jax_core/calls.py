@@ -3,6 +3,7 @@
 Each takes arrays positionally (None for an absent one) and static arguments (hashable Python
 constants) by keyword only, so that `jaxattn.bridge.jax_op` can run it on torch tensors: the
 torch API validates and translates torch arguments, then calls one of these through the bridge.
+The attention calls build their `AttentionCall` and `CallArrays` once and run them by `run_call`.
 
 Layouts: (B, Hq, L, E) queries, (B, Hk, S, E) keys, (B, Hk, S, Ev) values ("BHTD"); flash's
 varlen call takes packed (total, H, E) arrays with cu_seqlens; decode takes (B, Hq, T, D) queries
@@ -15,10 +16,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .base import AttentionOutput
+from .call import AttentionCall, CallArrays
 from .decode import decode_attention
-from .dispatch import attention
+from .dispatch import run_call
 from .metadata import AttentionMetadata
 from .ring import ring_attention, ring_attention_backward
+from .visibility import Visibility
 
 
 def _dropout_rng(seed):
@@ -32,27 +36,29 @@ def _mask_or_bias(attn_mask):
     return attn_mask, None
 
 
+def _run(call: AttentionCall, arrays: CallArrays, *, platform, implementation) -> AttentionOutput:
+    """`attention()` on a built call; the metadata carries the call's scale and dropout probability
+    too (for implementations that read them there)."""
+    metadata = AttentionMetadata(softmax_scale=call.scale, dropout_prob=call.dropout_prob, platform=platform)
+    return run_call(call, arrays, metadata, implementation)
+
+
 def sdpa(query, key, value, attn_mask, seed, *, is_causal, scale, dropout_p, implementation, platform):
     """torch's scaled_dot_product_attention: (B, Hq, L, E), (B, Hk, S, E), (B, Hk, S, Ev) -> (B, Hq, L, Ev)."""
     bias, mask = _mask_or_bias(attn_mask)
-    metadata = AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform)
-    out = attention(
-        query, key, value, bias=bias, mask=mask, causal=is_causal, dropout_rng=_dropout_rng(seed),
-        implementation=implementation, metadata=metadata, layout="BHTD",
-    )
-    return out.attention_outputs
+    call = AttentionCall(visibility=Visibility.of(is_causal), scale=scale, dropout_prob=dropout_p, layout="BHTD")
+    arrays = CallArrays(query, key, value, bias=bias, mask=mask, dropout_rng=_dropout_rng(seed))
+    return _run(call, arrays, platform=platform, implementation=implementation).attention_outputs
 
 
 def sdpa_features(query, key, value, attn_mask, sinks, seed, *, causal, scale, softcap, dropout_p, implementation,
                   platform):
     """`sdpa` with a logits soft cap and/or attention sinks (as transformers' models pass them)."""
     bias, mask = _mask_or_bias(attn_mask)
-    out = attention(
-        query, key, value, bias=bias, mask=mask, causal=causal, logits_soft_cap=softcap, softmax_aux=sinks,
-        dropout_rng=_dropout_rng(seed), implementation=implementation, layout="BHTD",
-        metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
-    )
-    return out.attention_outputs
+    call = AttentionCall(visibility=Visibility.of(causal), logits_soft_cap=softcap, scale=scale, dropout_prob=dropout_p,
+                         layout="BHTD")
+    arrays = CallArrays(query, key, value, bias=bias, mask=mask, softmax_aux=sinks, dropout_rng=_dropout_rng(seed))
+    return _run(call, arrays, platform=platform, implementation=implementation).attention_outputs
 
 
 def _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, *,
@@ -68,13 +74,12 @@ def _flash(query, key, value, sinks, q_segment_ids, kv_segment_ids, cu_seqlens_q
     if varlen:  # (total, H, E) -> (1, total, H, E): a free reshape
         query, key, value = query[None], key[None], value[None]
         cu_seqlens = (cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32))
-    out = attention(
-        query, key, value, causal=causal, causal_alignment=causal_alignment, sliding_window=window,
-        logits_soft_cap=softcap, softmax_aux=sinks, dropout_rng=_dropout_rng(seed), return_lse=return_lse,
-        implementation=implementation, layout="BTHD" if varlen else "BHTD", segment_ids=segment_ids,
-        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, alibi_slopes=alibi_slopes,
-        metadata=AttentionMetadata(softmax_scale=scale, dropout_prob=dropout_p, platform=platform),
-    )
+    call = AttentionCall(visibility=Visibility.of(causal, causal_alignment, window), logits_soft_cap=softcap,
+                         scale=scale, dropout_prob=dropout_p, return_lse=return_lse,
+                         layout="BTHD" if varlen else "BHTD", max_seqlen=max_seqlen)
+    arrays = CallArrays(query, key, value, softmax_aux=sinks, dropout_rng=_dropout_rng(seed), segment_ids=segment_ids,
+                        cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
+    out = _run(call, arrays, platform=platform, implementation=implementation)
     result, lse = out.attention_outputs, out.lse
     if varlen:  # (1, total_q, Hq, Ev) -> (total_q, Hq, Ev); LSE (1, Hq, total_q) -> (Hq, total_q)
         result, lse = result[0], None if lse is None else lse[0]

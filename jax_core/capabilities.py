@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from .call import AttentionCall, CallArrays
 from .visibility import CausalAlignment, Visibility
 
 #: Feature vocabulary shared by all implementations.
@@ -54,7 +55,7 @@ class AttentionInputs:
         platform: "cpu", "gpu" or "tpu".
         backend: "cpu", "cuda", "rocm" or "tpu".
         features: feature names (from `FEATURES`) the call needs.
-        window: (left, right) sliding window, -1 meaning unbounded on that side.
+        window: (left, right) sliding window, -1 meaning unbounded on that side; None: no window.
     """
 
     batch: int
@@ -75,6 +76,33 @@ class AttentionInputs:
         if unknown:
             raise ValueError(f"features: unknown names {sorted(unknown)}; known: {sorted(FEATURES)}.")
         object.__setattr__(self, "features", frozenset(self.features))
+
+    @classmethod
+    def from_call(cls, call: AttentionCall, arrays: CallArrays, *, platform: str, backend: str,
+                  backward: bool = False) -> "AttentionInputs":
+        """The signature of `call` on `arrays` (anything with `.shape` and `.dtype`, in the call's
+        layout; described in (B, T, H, D) terms). `backward`: the call must be differentiable.
+
+        The positional features come from `Visibility.features` (with varlen packing, a
+        bottom-right alignment counts as "causal_bottom_right" even when T == S, since the packed
+        sequences may each have L != S).
+        """
+        query, key, value = arrays.bthd_shapes(call.layout)
+        varlen = arrays.cu_seqlens is not None
+        flags = {
+            "bias": arrays.bias is not None,
+            "bool_mask": arrays.mask is not None,
+            "softcap": call.logits_soft_cap is not None,
+            "sinks": arrays.softmax_aux is not None,
+            "dropout": arrays.dropout_rng is not None and call.dropout_prob > 0,
+            "weights": call.return_weights,
+            "lse": call.return_lse,
+            "backward": backward,
+            "segment_ids": arrays.segment_ids is not None,
+            "varlen": varlen,
+            "alibi": arrays.alibi_slopes is not None,
+        }
+        return cls._describe(query, key, value, call.visibility, flags, platform=platform, backend=backend)
 
     @classmethod
     def from_arrays(
@@ -100,54 +128,32 @@ class AttentionInputs:
         varlen: bool = False,
         alibi: bool = False,
     ) -> "AttentionInputs":
-        """Describes a call on (B, T, H, D) arrays (anything with `.shape` and `.dtype`).
+        """Describes a call on (B, T, H, D) arrays by keywords (`from_call` describes a built call).
 
-        `segment_ids`, `varlen` and `alibi` say whether segment ids / cu_seqlens / ALiBi slopes are
-        given. The positional features come from `Visibility.features` (with `varlen`, a
-        bottom-right alignment counts as "causal_bottom_right" even when T == S, since the packed
-        sequences may each have L != S; a (-1, -1) window is no window).
+        `dropout`, `segment_ids`, `varlen` and `alibi` say whether dropout runs / segment ids /
+        cu_seqlens / ALiBi slopes are given.
         """
+        flags = {"bias": bias is not None, "bool_mask": mask is not None, "softcap": logits_soft_cap is not None,
+                 "sinks": softmax_aux is not None, "dropout": dropout, "weights": return_weights, "lse": return_lse,
+                 "backward": backward, "segment_ids": segment_ids, "varlen": varlen, "alibi": alibi}
+        visibility = Visibility.of(causal, causal_alignment, sliding_window)
+        return cls._describe(query, key, value, visibility, flags, platform=platform, backend=backend)
+
+    @classmethod
+    def _describe(cls, query: Any, key: Any, value: Any, visibility: Visibility, flags: dict[str, bool], *,
+                  platform: str, backend: str) -> "AttentionInputs":
+        """The signature of (B, T, H, D) arrays with the positional rule `visibility` and the features
+        named in `flags` that are True."""
         b, t, hq, d = query.shape
         _, s, hk, _ = key.shape
-        features = set(Visibility.of(causal, causal_alignment, sliding_window).features(t, s, varlen=varlen))
-        if bias is not None:
-            features.add("bias")
-        if mask is not None:
-            features.add("bool_mask")
+        features = set(visibility.features(t, s, varlen=flags["varlen"]))
+        features.update(name for name, wanted in flags.items() if wanted)
         if hk != hq:
             features.add("gqa")
-        if logits_soft_cap is not None:
-            features.add("softcap")
-        if softmax_aux is not None:
-            features.add("sinks")
-        if dropout:
-            features.add("dropout")
-        if return_weights:
-            features.add("weights")
-        if return_lse:
-            features.add("lse")
-        if backward:
-            features.add("backward")
-        if segment_ids:
-            features.add("segment_ids")
-        if varlen:
-            features.add("varlen")
-        if alibi:
-            features.add("alibi")
-        return cls(
-            batch=b,
-            q_len=t,
-            kv_len=s,
-            num_q_heads=hq,
-            num_kv_heads=hk,
-            head_dim=d,
-            value_head_dim=value.shape[-1],
-            dtype=jnp.dtype(query.dtype).name,
-            platform=platform,
-            backend=backend,
-            features=frozenset(features),
-            window=None if sliding_window is None else tuple(sliding_window),
-        )
+        return cls(batch=b, q_len=t, kv_len=s, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
+                   value_head_dim=value.shape[-1], dtype=jnp.dtype(query.dtype).name, platform=platform,
+                   backend=backend, features=frozenset(features),
+                   window=visibility.window if visibility.windowed else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from .base import DECODE_MAX_QUERY_LEN, AttentionImpl, AttentionOutput
+from .call import AttentionCall, CallArrays
 from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata, backend_of, platform_of
 from .registry import AttentionRegistry
@@ -60,6 +61,8 @@ from .visibility import Visibility, cache_positions
 Kernel = Literal["triton", "pallas", "xla"]
 CacheLayout = Literal["BSHD", "BHSD", "paged"]
 _KERNEL_OF_PLATFORM = {"gpu": "triton", "tpu": "pallas", "cpu": "xla"}
+#: The kernel of a call's backend (`AttentionCall.backend`; None, the platform-independent path: "xla").
+_KERNEL_OF_BACKEND = {"cuda": "triton", "rocm": "triton", "tpu": "pallas"}
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks", "alibi", "lse",
                        "backward"})
 
@@ -367,14 +370,15 @@ class DecodeAttn(AttentionImpl):
                          cache_layout=cache_layout, return_lse=return_lse, alibi=alibi_slopes)
 
     def _run(self, query, key, value, lengths, starts, block_table, softmax_aux, *, kernel, causal, window,
-             pos_shift, softcap, q_layout, cache_layout, return_lse, alibi=None) -> AttentionOutput:
+             pos_shift, softcap, q_layout, cache_layout, return_lse, alibi=None, scale=None) -> AttentionOutput:
+        """`scale`: the call's softmax scale; None: the metadata's (`scale_for`)."""
         md = self.metadata
         if md.runtime_dtype:
             query, key, value = (x.astype(md.runtime_dtype) for x in (query, key, value))
         d = query.shape[-1]
         platform = md.platform or platform_of(query, key, value)
         spec = _Spec(
-            kernel=kernel, scale=md.scale_for(d), causal=bool(causal), window=tuple(window), pos_shift=int(pos_shift),
+            kernel=kernel, scale=md.scale_for(d) if scale is None else float(scale), causal=bool(causal), window=tuple(window), pos_shift=int(pos_shift),
             softcap=None if softcap is None else float(softcap), q_layout=q_layout, cache_layout=cache_layout,
             softmax_dtype=md.softmax_dtype_for(query.dtype).name,
             fast_tanh=kernel == "triton" and (md.backend or backend_of(platform)) == "cuda",
@@ -390,35 +394,22 @@ class DecodeAttn(AttentionImpl):
         return AttentionOutput(attention_outputs=out, lse=lse if return_lse else None)
 
     # --- the generic interface: the whole key/value array is the cache ----------------------------
-    def _generic(self, kernel, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                 logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD", segment_ids=None,
-                 cu_seqlens=None, max_seqlen=None, alibi_slopes=None) -> AttentionOutput:
-        unsupported = {"bias": bias, "mask": mask, "dropout_rng": dropout_rng, "segment_ids": segment_ids,
-                       "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+    def compute(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
+        unsupported = {"bias": arrays.bias, "mask": arrays.mask, "dropout_rng": arrays.dropout_rng,
+                       "segment_ids": arrays.segment_ids, "cu_seqlens": arrays.cu_seqlens, "max_seqlen": call.max_seqlen}
         given = sorted(name for name, value in unsupported.items() if value is not None)
-        if given or return_weights:
-            raise NotImplementedError(f"decode does not take {given + (['return_weights'] if return_weights else [])}; "
+        if given or call.return_weights:
+            raise NotImplementedError(f"decode does not take {given + (['return_weights'] if call.return_weights else [])}; "
                                       "use 'vanilla' or 'flash'.")
-        t_axis = 1 if layout == "BTHD" else 2
-        b, t, s = query.shape[0], query.shape[t_axis], key.shape[t_axis]
+        query, key, value = arrays.qkv
+        b, t, s = query.shape[0], query.shape[call.seq_axis], key.shape[call.seq_axis]
         lengths = jnp.full((b,), s, jnp.int32)
-        rule = Visibility.of(causal, causal_alignment, sliding_window)
-        return self._run(query, key, value, lengths, None, None, softmax_aux, kernel=kernel, causal=rule.causal,
-                         window=rule.window, pos_shift=rule.cache_pos_shift(t, s),
-                         softcap=logits_soft_cap, q_layout=layout, cache_layout="BSHD" if layout == "BTHD" else "BHSD",
-                         return_lse=True, alibi=alibi_slopes)
-
-    def forward_native(self, query, key, value, **kwargs) -> AttentionOutput:
-        return self._generic("xla", query, key, value, **kwargs)
-
-    def forward_cuda(self, query, key, value, **kwargs) -> AttentionOutput:
-        return self._generic("triton", query, key, value, **kwargs)
-
-    def forward_rocm(self, query, key, value, **kwargs) -> AttentionOutput:
-        return self._generic("triton", query, key, value, **kwargs)
-
-    def forward_tpu(self, query, key, value, **kwargs) -> AttentionOutput:
-        return self._generic("pallas", query, key, value, **kwargs)
+        rule = call.visibility
+        return self._run(query, key, value, lengths, None, None, arrays.softmax_aux,
+                         kernel=_KERNEL_OF_BACKEND.get(call.backend, "xla"), causal=rule.causal, window=rule.window,
+                         pos_shift=rule.cache_pos_shift(t, s), softcap=call.logits_soft_cap, q_layout=call.layout,
+                         cache_layout="BSHD" if call.layout == "BTHD" else "BHSD", return_lse=True,
+                         alibi=arrays.alibi_slopes, scale=call.scale_for(query.shape[-1]))
 
 
 def kernel_reasons(kernel: str, platform: str, dtype: str) -> list[str]:

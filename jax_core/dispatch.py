@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput, Layout
+from .call import AttentionCall, CallArrays, build_call
 from .capabilities import AttentionInputs, CausalAlignment
 from .metadata import AttentionMetadata, backend_of, platform_of
 from .registry import AttentionRegistry
+from .validation import check_call, check_rank
 
 Implementation = Literal["vanilla", "sdpa", "cudnn", "flash", "flash_attn2", "ring", "decode"]
 
@@ -71,49 +73,52 @@ def attention(
         ValueError: unknown or unusable forced implementation (with reasons), malformed inputs.
         NotImplementedError: automatic selection found no implementation (with every reason).
     """
-    inputs, metadata = call_inputs(
-        query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-        dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, metadata=metadata,
-        layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes,
+    metadata = _resolved(metadata, query, key, value)
+    call, arrays = build_call(
+        query, key, value, metadata=metadata, backend=metadata.backend, bias=bias, mask=mask, causal=causal,
+        causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        softmax_aux=softmax_aux, dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse,
+        layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        alibi_slopes=alibi_slopes,
     )
+    return run_call(call, arrays, metadata, implementation)
+
+
+def run_call(call: AttentionCall, arrays: CallArrays, metadata: Optional[AttentionMetadata] = None,
+             implementation: Optional[Implementation | str | tuple[str, ...]] = None) -> AttentionOutput:
+    """`attention()` on a built call: checks the arrays once, selects, and runs the selected
+    implementation on the checked call. The call's scale and dropout probability are the ones
+    used; `metadata` gives the rest (platform, dtypes, mesh, block sizes). A call without a backend
+    runs on that of `metadata`, else of the platform the arrays live on."""
+    metadata = _resolved(metadata, *arrays.qkv)
+    call = call if call.backend is not None else call.replace(backend=metadata.backend)
+    check_call(call, arrays)
+    inputs = call.inputs(arrays, metadata.platform, metadata.backend)
     impl_cls = AttentionRegistry.select(inputs, metadata, implementation)
-    return _instance(impl_cls, metadata)(
-        query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-        dropout_rng=dropout_rng, return_weights=return_weights, return_lse=return_lse, layout=layout,
-        segment_ids=segment_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, alibi_slopes=alibi_slopes,
-    )
+    return _instance(impl_cls, metadata).run(call, arrays, inputs)
 
 
-def call_inputs(query, key, value, *, bias=None, mask=None, causal: bool = False,
-                causal_alignment: CausalAlignment = "top_left", sliding_window=None, logits_soft_cap=None,
-                softmax_aux=None, dropout_rng=None, return_weights: bool = False, return_lse: bool = False,
-                metadata: Optional[AttentionMetadata] = None, layout: Layout = "BTHD", segment_ids=None,
-                cu_seqlens=None, alibi_slopes=None) -> tuple[AttentionInputs, AttentionMetadata]:
+def _resolved(metadata: Optional[AttentionMetadata], *arrays) -> AttentionMetadata:
+    """`metadata` (default `AttentionMetadata()`) with its platform and backend filled in."""
+    metadata = metadata if metadata is not None else AttentionMetadata()
+    if metadata.platform is not None and metadata.backend is not None:
+        return metadata
+    platform = metadata.platform or platform_of(*arrays)
+    return metadata.replace(platform=platform, backend=metadata.backend or backend_of(platform))
+
+
+def call_inputs(query, key, value, *, metadata: Optional[AttentionMetadata] = None, **call_keywords
+                ) -> tuple[AttentionInputs, AttentionMetadata]:
     """The signature `attention` selects on, and the metadata with its platform and backend filled in.
 
-    The arrays may be `jax.ShapeDtypeStruct`s (only shapes and dtypes are read) when
+    `call_keywords` are `attention()`'s (bias, mask, causal, ..., layout, alibi_slopes; unknown names
+    raise). The arrays may be `jax.ShapeDtypeStruct`s (only shapes and dtypes are read) when
     `metadata.platform` is set.
     """
-    metadata = metadata if metadata is not None else AttentionMetadata()
-    platform = metadata.platform or platform_of(query, key, value)
-    backend = metadata.backend or backend_of(platform)
-    metadata = metadata.replace(platform=platform, backend=backend)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name}: expected a 4-D ({layout}) array, got shape {tuple(x.shape)}.")
-    q_, k_, v_ = query, key, value
-    if layout == "BHTD":
-        q_, k_, v_ = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype) for x in (query, key, value))
-    inputs = AttentionInputs.from_arrays(
-        q_, k_, v_, platform=platform, backend=backend, bias=bias, mask=mask, causal=causal,
-        causal_alignment=causal_alignment, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        softmax_aux=softmax_aux, dropout=dropout_rng is not None and metadata.dropout_prob > 0,
-        return_weights=return_weights, return_lse=return_lse, segment_ids=segment_ids is not None,
-        varlen=cu_seqlens is not None, alibi=alibi_slopes is not None,
-    )
-    return inputs, metadata
+    metadata = _resolved(metadata, query, key, value)
+    call, arrays = build_call(query, key, value, metadata=metadata, backend=metadata.backend, **call_keywords)
+    check_rank(arrays, call.layout)
+    return call.inputs(arrays, metadata.platform, metadata.backend), metadata
 
 
 def explain_selection(query, key, value, *, implementation=None, **call) -> tuple[str, str]:

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput
+from .call import AttentionCall, CallArrays
 from .capabilities import AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
-from .visibility import Visibility
 
 _GPU_FEATURES = frozenset(
     {"causal", "causal_bottom_right", "bias", "bool_mask", "gqa", "sliding_window", "softcap", "sinks", "lse",
@@ -91,94 +91,70 @@ class FlashAttn(AttentionImpl):
                 reasons.append(f"feature {feature!r} cannot be combined with varlen packing on GPU")
         return list(dict.fromkeys(reasons))
 
-    def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
-                       segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+    def compute(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
+        if call.backend in ("cuda", "rocm"):
+            # The same Triton kernels on ROCm (untested there); PTX's hardware tanh is NVIDIA-only.
+            return self._forward_triton(call, arrays, fast_tanh=call.backend == "cuda")
+        if call.backend == "tpu":
+            return self._forward_pallas(call, arrays)
         raise NotImplementedError("flash has no platform-independent kernel; it runs on GPU (Triton) and TPU (Pallas).")
 
-    def forward_cpu(self, *args, **kwargs) -> AttentionOutput:
-        return self.forward_native(*args, **kwargs)
+    def _forward_triton(self, call: AttentionCall, arrays: CallArrays, *, fast_tanh: bool) -> AttentionOutput:
+        """The Triton kernels through jax-triton.
 
-    def forward_cuda(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
-                     segment_ids=None, cu_seqlens=None, max_seqlen=None, alibi_slopes=None) -> AttentionOutput:
-        return self._forward_triton(
-            query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-            dropout_rng=dropout_rng, layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, fast_tanh=True, alibi_slopes=alibi_slopes,
-        )
-
-    def forward_rocm(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
-                     segment_ids=None, cu_seqlens=None, max_seqlen=None, alibi_slopes=None) -> AttentionOutput:
-        # The same Triton kernels (untested on ROCm); PTX's hardware tanh is NVIDIA-only.
-        return self._forward_triton(
-            query, key, value, bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-            dropout_rng=dropout_rng, layout=layout, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, fast_tanh=False, alibi_slopes=alibi_slopes,
-        )
-
-    def _forward_triton(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                        logits_soft_cap, softmax_aux, dropout_rng, layout, segment_ids, cu_seqlens, max_seqlen,
-                        fast_tanh, alibi_slopes=None) -> AttentionOutput:
-        """The Triton kernels through jax-triton; arguments as in `AttentionImpl.__call__`.
-
-        Dropout draws its Philox seed from `dropout_rng`; varlen grids cover `max_seqlen` (or the
-        packed lengths when None); `fast_tanh` selects the hardware tanh for 16-bit soft caps.
+        Dropout draws its Philox seed from the dropout key; varlen grids cover `call.max_seqlen`
+        (or the packed lengths when None); `fast_tanh` selects the hardware tanh for 16-bit soft caps.
         """
         from .kernels.flash_jax_triton import FlashConfig, FlashExtras, flash_attention_triton
 
-        dtype = jnp.dtype(self.metadata.runtime_dtype) if self.metadata.runtime_dtype else query.dtype
-        query, key, value = (x.astype(dtype) for x in (query, key, value))
-        l_axis = 2 if layout == "BHTD" else 1
-        l, s = query.shape[l_axis], key.shape[l_axis]
+        dtype = jnp.dtype(self.metadata.runtime_dtype) if self.metadata.runtime_dtype else arrays.query.dtype
+        query, key, value = (x.astype(dtype) for x in arrays.qkv)
+        l, s = query.shape[call.seq_axis], key.shape[call.seq_axis]
         varlen = None
-        if cu_seqlens is not None:
-            varlen = (int(max_seqlen[0]), int(max_seqlen[1])) if max_seqlen is not None else (l, s)
+        if arrays.cu_seqlens is not None:
+            varlen = (int(call.max_seqlen[0]), int(call.max_seqlen[1])) if call.max_seqlen is not None else (l, s)
         seed = None
-        if dropout_rng is not None and self.metadata.dropout_prob > 0:
-            seed = jax.lax.bitcast_convert_type(jax.random.bits(dropout_rng, (2,), jnp.uint32), jnp.int32)
-        rule = Visibility.of(causal, causal_alignment, sliding_window)
+        if arrays.dropout_rng is not None and call.dropout_prob > 0:
+            seed = jax.lax.bitcast_convert_type(jax.random.bits(arrays.dropout_rng, (2,), jnp.uint32), jnp.int32)
         cfg = FlashConfig(
-            scale=self.metadata.scale_for(query.shape[-1]),
-            **rule.flash_settings(l, s, varlen=varlen is not None),
-            softcap=logits_soft_cap,
-            layout=layout,
-            dropout_p=float(self.metadata.dropout_prob) if seed is not None else 0.0,
+            scale=call.scale_for(query.shape[-1]),
+            **call.visibility.flash_settings(l, s, varlen=varlen is not None),
+            softcap=call.logits_soft_cap,
+            layout=call.layout,
+            dropout_p=float(call.dropout_prob) if seed is not None else 0.0,
             varlen=varlen,
             fast_tanh=fast_tanh,
         )
         extras = FlashExtras(
-            segment_ids=None if segment_ids is None else tuple(segment_ids),
-            cu_seqlens=None if cu_seqlens is None else tuple(cu_seqlens),
+            segment_ids=None if arrays.segment_ids is None else tuple(arrays.segment_ids),
+            cu_seqlens=None if arrays.cu_seqlens is None else tuple(arrays.cu_seqlens),
             seed=seed,
-            alibi_slopes=alibi_slopes,
+            alibi_slopes=arrays.alibi_slopes,
         )
+        mask, aux = arrays.mask, arrays.softmax_aux
         out, lse = flash_attention_triton(
-            query, key, value, _four_d(bias), None if mask is None else _four_d(mask).astype(jnp.int8),
-            None if softmax_aux is None else _sink_logits(softmax_aux), extras, cfg,
+            query, key, value, _four_d(arrays.bias), None if mask is None else _four_d(mask).astype(jnp.int8),
+            None if aux is None else _sink_logits(aux), extras, cfg,
         )
         return AttentionOutput(attention_outputs=out, lse=lse)
 
-    def forward_tpu(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                    logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
-                    segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
+    def _forward_pallas(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
+        """JAX's Pallas TPU flash kernel on (B, H, T, D) arrays."""
         from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds
         from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention as pallas_flash
 
-        swap = layout == "BTHD"
-        q, k, v = (jnp.swapaxes(x, 1, 2) if swap else x for x in (query, key, value))
-        scale = self.metadata.scale_for(q.shape[-1])
+        swap = call.layout == "BTHD"
+        q, k, v = (jnp.swapaxes(x, 1, 2) if swap else x for x in arrays.qkv)
+        scale = call.scale_for(q.shape[-1])
         ab = None
-        if bias is not None:  # the Pallas kernel adds `ab` before scaling the logits
+        if arrays.bias is not None:  # the Pallas kernel adds `ab` before scaling the logits
             full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            ab = jnp.broadcast_to(_four_d(bias).astype(jnp.float32) / scale, full)
+            ab = jnp.broadcast_to(_four_d(arrays.bias).astype(jnp.float32) / scale, full)
+        segment_ids = arrays.segment_ids
         segments = None if segment_ids is None else SegmentIds(q=segment_ids[0], kv=segment_ids[1])
-        out = pallas_flash(q, k, v, ab=ab, segment_ids=segments, causal=causal, sm_scale=scale)
+        out = pallas_flash(q, k, v, ab=ab, segment_ids=segments, causal=call.causal, sm_scale=scale)
         if segment_ids is not None:  # the kernel averages V over a row with no visible key; we give 0
-            out = jnp.where(_rows_with_visible_key(*segment_ids, causal)[:, None, :, None], out, 0)
+            out = jnp.where(_rows_with_visible_key(*segment_ids, call.causal)[:, None, :, None], out, 0)
         return AttentionOutput(attention_outputs=jnp.swapaxes(out, 1, 2) if swap else out)
 
 

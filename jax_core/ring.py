@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import ring_layout as rl
 from .base import AttentionImpl, AttentionOutput
+from .call import AttentionCall, CallArrays
 from .blockwise import Band, BlockAlibi, block_backward, block_forward
 from .capabilities import ALL_FLOAT_DTYPES, AttentionInputs, Capabilities, missing_gpu_packages
 from .metadata import AttentionMetadata
@@ -713,18 +714,16 @@ class RingAttn(AttentionImpl):
             reasons.append("runtime_dtype is not supported by ring (cast the inputs)")
         return reasons
 
-    def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, segment_ids=None,
-                       cu_seqlens=None, max_seqlen=None, alibi_slopes=None) -> AttentionOutput:
-        del bias, mask, causal_alignment, dropout_rng, return_weights, cu_seqlens, max_seqlen  # refused by reasons
+    def compute(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
+        # Bias, masks, alignment, dropout, weights and varlen are refused by the reasons.
         md = self.metadata
         pa = md.partition_axis
         out, lse = ring_attention(
-            query, key, value, mesh=md.mesh, axis_name=md.sequence_axis_name, causal=causal,
-            sliding_window=None if sliding_window is None else tuple(sliding_window),
-            logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, segment_ids=segment_ids,
-            scale=md.scale_for(query.shape[-1]), kernel=None,  # the mesh's devices choose (`default_kernel`)
+            *arrays.qkv, mesh=md.mesh, axis_name=md.sequence_axis_name, causal=call.causal,
+            sliding_window=call.sliding_window, logits_soft_cap=call.logits_soft_cap,
+            softmax_aux=arrays.softmax_aux, segment_ids=arrays.segment_ids,
+            scale=call.scale_for(arrays.query.shape[-1]), kernel=None,  # the mesh's devices choose (`default_kernel`)
             batch_axis=pa.batch_axis, head_axis=pa.head_axis, chunk_q=md.blocksize_q, chunk_k=md.blocksize_k,
-            return_lse=True, alibi_slopes=alibi_slopes,
+            return_lse=True, alibi_slopes=arrays.alibi_slopes,
         )
         return AttentionOutput(attention_outputs=out, lse=lse)

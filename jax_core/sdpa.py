@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput
+from .call import AttentionCall, CallArrays
 from .capabilities import AttentionInputs, Capabilities
 from .masks import combine_masks, positional_mask
 from .metadata import AttentionMetadata
@@ -63,15 +64,17 @@ class ScaledDotProductAttn(AttentionImpl):
             reasons.append("float16 on cpu: XLA:CPU cannot run jax.nn's float16 dot precision")
         return reasons
 
-    def _attend(self, query, key, value, bias, mask, causal, sliding_window, implementation):
+    def _attend(self, call: AttentionCall, query, key, value, bias, mask, implementation):
+        """jax.nn on (B, T, H, D) arrays."""
         md = self.metadata
         dtype = jnp.dtype(md.runtime_dtype) if md.runtime_dtype else query.dtype
         query, key, value = (x.astype(dtype) for x in (query, key, value))
-        scale = md.scale_for(query.shape[-1])
+        scale = call.scale_for(query.shape[-1])
         t, s = query.shape[1], key.shape[1]
-        if sliding_window is not None:
+        causal = call.causal
+        if call.sliding_window is not None:
             # Windows go in as an explicit mask so alignment matches `jax_core.masks` exactly.
-            mask = combine_masks(mask, positional_mask(t, s, causal=causal, sliding_window=sliding_window))
+            mask = combine_masks(mask, positional_mask(t, s, causal=causal, sliding_window=call.sliding_window))
             causal = False
 
         def body(q, k, v, bias, mask, _aux, _rng, _segment_ids, _cu_seqlens):
@@ -92,41 +95,38 @@ class ScaledDotProductAttn(AttentionImpl):
 
         return AttentionOutput(attention_outputs=run_sharded(body, md, query, key, value, bias=bias, mask=mask))
 
-    def forward_native(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                       logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
-                       segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
-        _no_packing(segment_ids, cu_seqlens)
-        b, hq, s = query.shape[0], query.shape[2 if layout == "BTHD" else 1], key.shape[1 if layout == "BTHD" else 2]
-        if query.dtype == jnp.bfloat16 and b * hq * query.shape[1 if layout == "BTHD" else 2] * s == 1:
+    def compute(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
+        """XLA everywhere; on CUDA cuDNN first where it takes the call."""
+        _no_packing(arrays.segment_ids, arrays.cu_seqlens)
+        query, key, value = arrays.qkv
+        b, hq, t, s = query.shape[0], query.shape[3 - call.seq_axis], query.shape[call.seq_axis], key.shape[call.seq_axis]
+        if call.backend != "cuda" and query.dtype == jnp.bfloat16 and b * hq * t * s == 1:
             # A single logit makes XLA:CPU emit the bf16 dot elementally, which it cannot do for
             # jax.nn's bf16 x bf16 -> f32 algorithm: compute in float32 (the inputs are exact there).
-            out = self.forward_native(*(x.astype(jnp.float32) for x in (query, key, value)), bias=bias, mask=mask,
-                                      causal=causal, causal_alignment=causal_alignment, sliding_window=sliding_window,
-                                      logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, dropout_rng=dropout_rng,
-                                      return_weights=return_weights, layout=layout)
+            out = self.compute(call, arrays.replace(query=query.astype(jnp.float32), key=key.astype(jnp.float32),
+                                                    value=value.astype(jnp.float32)))
             return out.replace(attention_outputs=out.attention_outputs.astype(jnp.bfloat16))
-        if layout == "BHTD":
-            return _swap_out(self._attend(*map(_swap, (query, key, value)), bias, mask, causal, sliding_window, "xla"))
-        return self._attend(query, key, value, bias, mask, causal, sliding_window, "xla")
+        bthd = arrays.qkv if call.layout == "BTHD" else tuple(map(_swap, arrays.qkv))
+        out = self._cudnn(call, arrays, bthd) if call.backend == "cuda" else None
+        if out is None:
+            out = self._attend(call, *bthd, arrays.bias, arrays.mask, "xla")
+            out = out if call.layout == "BTHD" else _swap_out(out)
+        return out
 
-    def forward_cuda(self, query, key, value, *, bias, mask, causal, causal_alignment, sliding_window,
-                     logits_soft_cap, softmax_aux, dropout_rng, return_weights, layout="BTHD",
-                     segment_ids=None, cu_seqlens=None, max_seqlen=None) -> AttentionOutput:
-        _no_packing(segment_ids, cu_seqlens)
-        btgd = (query, key, value) if layout == "BTHD" else tuple(map(_swap, (query, key, value)))
-        inputs = AttentionInputs.from_arrays(*btgd, platform="gpu", backend="cuda")
-        if not cudnn_reasons(inputs):
-            if layout == "BHTD" and bias is None and mask is None and sliding_window is None and self.metadata.mesh is None:
-                out = _cudnn_bhtd(query, key, value, causal, self.metadata)
-                if out is not None:
-                    return AttentionOutput(attention_outputs=out)
-            try:
-                out = self._attend(*btgd, bias, mask, causal, sliding_window, "cudnn")
-                return out if layout == "BTHD" else _swap_out(out)
-            except (NotImplementedError, ValueError):
-                pass  # a shape or mask cuDNN rejects at trace time: XLA below
-        out = self._attend(*btgd, bias, mask, causal, sliding_window, "xla")
-        return out if layout == "BTHD" else _swap_out(out)
+    def _cudnn(self, call: AttentionCall, arrays: CallArrays, bthd) -> Optional[AttentionOutput]:
+        """cuDNN's fused attention when it takes the call, else None (XLA then)."""
+        if cudnn_reasons(AttentionInputs.from_arrays(*bthd, platform="gpu", backend="cuda")):
+            return None
+        plain = arrays.bias is None and arrays.mask is None and call.sliding_window is None
+        if call.layout == "BHTD" and plain and self.metadata.mesh is None:
+            out = _cudnn_bhtd(*arrays.qkv, call.causal, call.scale_for(arrays.query.shape[-1]), self.metadata)
+            if out is not None:
+                return AttentionOutput(attention_outputs=out)
+        try:
+            out = self._attend(call, *bthd, arrays.bias, arrays.mask, "cudnn")
+            return out if call.layout == "BTHD" else _swap_out(out)
+        except (NotImplementedError, ValueError):
+            return None  # a shape or mask cuDNN rejects at trace time
 
 
 def _no_packing(segment_ids, cu_seqlens) -> None:
@@ -143,7 +143,7 @@ def _swap_out(out: AttentionOutput) -> AttentionOutput:
     return out.replace(attention_outputs=_swap(out.attention_outputs))
 
 
-def _cudnn_bhtd(query, key, value, causal, metadata) -> Optional[jax.Array]:
+def _cudnn_bhtd(query, key, value, causal, scale, metadata) -> Optional[jax.Array]:
     """cuDNN fused attention on (B, H, T, D) arrays without transposes, or None if unavailable.
 
     Uses JAX's cuDNN attention entry point with qkv_layout="BNTH" (what jax.nn calls with "BTNH").
@@ -156,7 +156,7 @@ def _cudnn_bhtd(query, key, value, causal, metadata) -> Optional[jax.Array]:
     query, key, value = (x.astype(dtype) for x in (query, key, value))
     try:
         return cudnn.dot_product_attention(
-            query, key, value, scale=metadata.scale_for(query.shape[-1]),
+            query, key, value, scale=scale,
             mask_type=cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK, qkv_layout="BNTH",
         )
     except (NotImplementedError, ValueError, TypeError, AttributeError):

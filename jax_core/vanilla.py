@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput
+from .call import AttentionCall, CallArrays
 from .capabilities import ALL_FLOAT_DTYPES, FEATURES, Capabilities, CausalAlignment
 from .masks import combine_masks, positional_mask, segment_mask, varlen_mask, varlen_rows
 from .registry import AttentionRegistry
@@ -112,41 +113,25 @@ class VanillaAttn(AttentionImpl):
     def get_impl_name(cls) -> str:
         return "vanilla"
 
-    def forward_native(
-        self,
-        query,
-        key,
-        value,
-        *,
-        bias,
-        mask,
-        causal,
-        causal_alignment,
-        sliding_window,
-        logits_soft_cap,
-        softmax_aux,
-        dropout_rng,
-        return_weights,
-        segment_ids=None,
-        cu_seqlens=None,
-        max_seqlen=None,
-    ) -> AttentionOutput:
-        del max_seqlen  # the reference materialises every (T, S) logit: no grid to bound
+    def compute(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
+        # The reference materialises every (T, S) logit: no grid for max_seqlen to bound.
         md = self.metadata
-        dtype = jnp.dtype(md.runtime_dtype) if md.runtime_dtype else query.dtype
-        query, key, value = (x.astype(dtype) for x in (query, key, value))
+        dtype = jnp.dtype(md.runtime_dtype) if md.runtime_dtype else arrays.query.dtype
+        query, key, value = (x.astype(dtype) for x in arrays.qkv)
+        rule = call.visibility
 
         def attend(q, k, v, bias, mask, softmax_aux, dropout_rng, segment_ids, cu_seqlens):
             return reference_attention(
-                q, k, v, scale=md.scale_for(q.shape[-1]), softmax_dtype=md.softmax_dtype_for(q.dtype),
-                bias=bias, mask=mask, causal=causal, causal_alignment=causal_alignment,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
-                dropout_rng=dropout_rng, dropout_prob=md.dropout_prob, segment_ids=segment_ids,
+                q, k, v, scale=call.scale_for(q.shape[-1]), softmax_dtype=md.softmax_dtype_for(q.dtype),
+                bias=bias, mask=mask, causal=rule.causal, causal_alignment=rule.alignment,
+                sliding_window=call.sliding_window, logits_soft_cap=call.logits_soft_cap, softmax_aux=softmax_aux,
+                dropout_rng=dropout_rng, dropout_prob=call.dropout_prob, segment_ids=segment_ids,
                 cu_seqlens=cu_seqlens,
             )
 
         out, probs, lse = run_sharded(
-            attend, md, query, key, value, bias=bias, mask=mask, softmax_aux=softmax_aux,
-            dropout_rng=dropout_rng, segment_ids=segment_ids, cu_seqlens=cu_seqlens, with_weights=True,
+            attend, md, query, key, value, bias=arrays.bias, mask=arrays.mask, softmax_aux=arrays.softmax_aux,
+            dropout_rng=arrays.dropout_rng, segment_ids=arrays.segment_ids, cu_seqlens=arrays.cu_seqlens,
+            with_weights=True,
         )
-        return AttentionOutput(attention_outputs=out, attention_weights=probs if return_weights else None, lse=lse)
+        return AttentionOutput(attention_outputs=out, attention_weights=probs if call.return_weights else None, lse=lse)
