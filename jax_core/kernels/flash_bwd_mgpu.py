@@ -1,0 +1,422 @@
+"""Flash-attention backward for Hopper (sm90) in Pallas Mosaic GPU: dQ, dK, dV in one kernel.
+
+The forward is `flash_fwd_mgpu.py`; this kernel takes its LSE. Imports only JAX.
+
+Arrays, (batch, length, heads, head dim) as TMA wants them:
+    q, do (B, L, Hq, D); k, v (B, S, Hk, D); bf16 or fp16, D 64 or 128; GQA as in the forward.
+    lse_log2 (B, Hq, L) float32: the forward's LSE times log2(e), +inf for a row that saw no key
+        (so that its probabilities are exp2(s - inf) = 0, not NaN); `backward_operands` makes it.
+    delta (B, Hq, L) float32: rowsum(dO * O), from `backward_operands`.
+    dq_accum (B, L, Hq, D) float32: zeros the kernel adds scale * dS K into (see below).
+Returns dq_accum (the same buffer, now holding dQ in float32), dk and dv (B, S, Hk, D) in q's dtype.
+L must be a multiple of block_q and S of 2 * block_kv: there are no masked edge tiles.
+
+One program (a CUDA block of three warpgroups) owns 2 * block_kv keys of one KV head and walks the
+query blocks of every query head of its group that see them:
+    * warpgroup 2 (memory) streams Q, dO, LSE and delta blocks by TMA into a ring of `stages`
+      shared-memory slots; `*_ready` barriers say a slot is filled, `*_free` barriers (one arrival
+      per compute warpgroup) say both have read it.
+    * warpgroup w in {0, 1} (compute) keeps its block_kv keys' K, V and its dK, dV accumulators for
+      the whole walk. Per query block, with wgmma: S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE),
+      dP^T = V dO^T, dV += P^T dO, dS^T = scale P^T (dP^T - delta), dK += dS^T Q, and the partial
+      dQ = dS K from dS^T stored to shared memory.
+    * dQ: every program adds its partial dQ into dq_accum by a TMA reduce-add (float32, in L2).
+      The sum is therefore not bit-reproducible run to run (the order of the adds varies); the
+      Triton kernels remain the deterministic backward.
+Causal: query row i sees keys j <= i + diag_offset. Query blocks wholly before a program's first
+visible row are never loaded; only blocks that cross the program's diagonal are masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+COMPUTE_WGS = 2
+LOG2E = math.log2(math.e)
+#: Shared memory one thread block may use on sm90, and what the kernel keeps free of its buffers.
+SMEM_BYTES = 232448
+SMEM_RESERVE = 4096
+
+
+def backward_operands(out, do, lse):
+    """(lse_log2, delta) from the forward's out and lse and the output gradient (plain JAX ops)."""
+    delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
+    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
+    return lse_log2, delta
+
+
+def _splits_dq(d):
+    """Whether the two compute warpgroups split dQ's columns (head dim 128: each takes 64, the 128-byte
+    swizzle tile) instead of each computing a whole partial dQ over its own keys. Split, dQ needs both
+    warpgroups' dS in shared memory (a rendezvous per step) but half the accumulator registers and
+    half the float32 adds to global memory."""
+    return d % (COMPUTE_WGS * 64) == 0
+
+
+def smem_bytes(d, itemsize, *, block_q, block_kv, stages):
+    """Shared-memory buffers of one program: K and V of both warpgroups, the Q and dO rings, dS^T and
+    the float32 dQ staging tiles (LSE and delta slots are a few hundred bytes)."""
+    kv = 2 * COMPUTE_WGS * block_kv * d * itemsize
+    rings = 2 * stages * block_q * d * itemsize
+    ds = COMPUTE_WGS * block_kv * block_q * itemsize * (2 if _splits_dq(d) else 1)
+    dq = block_q * d * 4 * (1 if _splits_dq(d) else COMPUTE_WGS)
+    return kv + rings + ds + dq
+
+
+def _check(q, k, v, do, lse_log2, delta, dq_accum, scale, block_q, block_kv, stages):
+    """Raises ValueError naming the argument, its value and what is expected."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}.shape={x.shape}: expected (batch, length, heads, head_dim)")
+        if x.dtype != q.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"{name}.dtype={x.dtype}: expected bfloat16 or float16, the same for q, k, v, do")
+    b, l, hq, d = q.shape
+    if do.shape != q.shape:
+        raise ValueError(f"do.shape={do.shape}: expected q's shape {q.shape}")
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k.shape={k.shape}, v.shape={v.shape}: expected both (B={b}, S, Hk, D={d})")
+    if d not in (64, 128):
+        raise ValueError(f"head_dim={d}: expected 64 or 128; hint: use the Triton flash kernel")
+    if hq % k.shape[2]:
+        raise ValueError(f"query heads {hq}, KV heads {k.shape[2]}: expected a multiple (GQA)")
+    for name, x in (("lse_log2", lse_log2), ("delta", delta)):
+        if x.shape != (b, hq, l) or x.dtype != jnp.float32:
+            raise ValueError(f"{name}: shape {x.shape} dtype {x.dtype}, expected float32 (B, Hq, L)={(b, hq, l)}; "
+                             "hint: backward_operands(out, do, lse) makes both")
+    if dq_accum.shape != q.shape or dq_accum.dtype != jnp.float32:
+        raise ValueError(f"dq_accum: shape {dq_accum.shape} dtype {dq_accum.dtype}, expected float32 {q.shape} zeros")
+    if block_q % 64 or block_kv % 64 or block_q <= 0 or block_kv <= 0:
+        raise ValueError(f"block_q={block_q}, block_kv={block_kv}: expected positive multiples of 64 "
+                         "(a wgmma tile is 64 rows)")
+    if stages < 2:
+        raise ValueError(f"stages={stages}: expected at least 2 (one slot loading while one is read)")
+    need = smem_bytes(d, jnp.dtype(q.dtype).itemsize, block_q=block_q, block_kv=block_kv, stages=stages)
+    if need > SMEM_BYTES - SMEM_RESERVE:
+        raise ValueError(f"stages={stages}, block_q={block_q}, block_kv={block_kv}, head_dim={d}: {need} bytes "
+                         f"of shared-memory buffers, expected at most {SMEM_BYTES - SMEM_RESERVE}; hint: fewer "
+                         "stages or smaller blocks")
+    if l % block_q:
+        raise ValueError(f"query length L={l}: expected a multiple of block_q={block_q}; "
+                         "hint: pad the queries or use the Triton flash kernel")
+    if k.shape[1] % (COMPUTE_WGS * block_kv):
+        raise ValueError(f"key length S={k.shape[1]}: expected a multiple of 2 * block_kv = "
+                         f"{COMPUTE_WGS * block_kv}; hint: pad the keys or use the Triton flash kernel")
+    if not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale={scale!r}: expected a positive Python float (it is compiled in)")
+
+
+def _q_range(kv_start, diag_offset, causal, block_q, num_q_blocks, program_keys):
+    """(first query block, first unmasked query block) of a program whose keys start at kv_start.
+
+    Row i sees key j iff j <= i + diag_offset: rows before kv_start - diag_offset see none of the
+    program's keys, rows from kv_start + program_keys - 1 - diag_offset on see all of them."""
+    if not causal:
+        return jnp.int32(0), jnp.int32(0)
+    first = lax.div(jnp.maximum(kv_start - diag_offset, 0), jnp.int32(block_q))
+    full = pl.cdiv(jnp.maximum(kv_start + program_keys - 1 - diag_offset, 0), jnp.int32(block_q))
+    return jnp.minimum(first, num_q_blocks), jnp.clip(full, first, num_q_blocks)
+
+
+def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg):
+    d, dtype = q_ref.shape[-1], q_ref.dtype
+    block_q, block_kv, stages = cfg["block_q"], cfg["block_kv"], cfg["stages"]
+    # 128-byte rows in 128-byte swizzled tiles, the layout TMA writes and wgmma reads without bank
+    # conflicts (as in the forward).
+    tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    smem = (
+        plgpu.SMEM((COMPUTE_WGS, block_kv, d), dtype, **tiled),  # K, then dK
+        plgpu.SMEM((COMPUTE_WGS, block_kv, d), dtype, **tiled),  # V, then dV
+        plgpu.SMEM((stages, block_q, d), dtype, **tiled),  # Q ring
+        plgpu.SMEM((stages, block_q, d), dtype, **tiled),  # dO ring
+        plgpu.SMEM((stages, block_q), jnp.float32),  # LSE ring
+        plgpu.SMEM((stages, block_q), jnp.float32),  # delta ring
+        # dS^T of each warpgroup; with split columns, two buffers by step parity (the other warpgroup
+        # may still read the previous step's).
+        plgpu.SMEM(((2,) if _splits_dq(d) else ()) + (COMPUTE_WGS, block_kv, block_q), dtype, **tiled),
+        plgpu.SMEM((COMPUTE_WGS, block_q, d // COMPUTE_WGS if _splits_dq(d) else d), jnp.float32),  # dQ staging
+    )
+    barriers = dict(
+        kv_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        q_ready=plgpu.Barrier(num_barriers=stages),
+        do_ready=plgpu.Barrier(num_barriers=stages),
+        lse_ready=plgpu.Barrier(num_barriers=stages),
+        delta_ready=plgpu.Barrier(num_barriers=stages),
+        q_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        do_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+    )
+    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref)
+    pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, **cfg), smem, barriers, collective_axes="wg")
+
+
+def _walk(kv_start, *, causal, diag_offset, block_q, block_kv, num_q_blocks, **_):
+    """(first query block, first unmasked one, query blocks per head) of the program at kv_start."""
+    first, full = _q_range(kv_start, diag_offset, causal, block_q, num_q_blocks, COMPUTE_WGS * block_kv)
+    return first, full, num_q_blocks - first
+
+
+def _warpgroups(refs, bufs, bars, **cfg):
+    batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
+    kv_start = lax.axis_index("kv_blocks") * (COMPUTE_WGS * cfg["block_kv"])
+    walk = _walk(kv_start, **cfg)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _():
+        plgpu.set_max_registers(232, action="increase")
+        _compute(refs, bufs, bars, batch=batch, kv_head=kv_head, wg=wg, kv_start=kv_start, walk=walk, **cfg)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _():
+        plgpu.set_max_registers(40, action="decrease")
+        _memory(refs, bufs, bars, batch=batch, kv_head=kv_head, walk=walk, **cfg)
+
+
+def _memory(refs, bufs, bars, *, batch, kv_head, walk, block_q, stages, group, **_):
+    q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
+    _, _, q_smem, do_smem, lse_smem, delta_smem = bufs[:6]
+    first, _, per_head = walk
+    steps = group * per_head
+
+    @pl.loop(0, steps)
+    def _(step):
+        slot = lax.rem(step, jnp.int32(stages))
+        head = kv_head * group + lax.div(step, per_head)
+        rows = (first + lax.rem(step, per_head)) * block_q
+        block = (batch, pl.ds(rows, block_q), head)
+        vector = (batch, head, pl.ds(rows, block_q))
+
+        @pl.when(step >= stages)  # the slot's previous block must have been read by both
+        def _():
+            plgpu.barrier_wait(bars["q_free"].at[slot])
+        plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[slot], bars["q_ready"].at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], bars["lse_ready"].at[slot])
+
+        @pl.when(step >= stages)
+        def _():
+            plgpu.barrier_wait(bars["do_free"].at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[block], do_smem.at[slot], bars["do_ready"].at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[slot], bars["delta_ready"].at[slot])
+
+    # Observe the last releases too, so that every barrier phase is consumed before the barriers go.
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _(step):
+        slot = lax.rem(step, jnp.int32(stages))
+        plgpu.barrier_wait(bars["q_free"].at[slot])
+        plgpu.barrier_wait(bars["do_free"].at[slot])
+
+
+# Mosaic GPU's interpreter (jax 0.10 to 0.11) has no layouts, no wgmma on a transposed or register
+# operand and no TMA reduction: under `on_gpu=False` the helpers below compute the same products as
+# plain dots on the same shared-memory slots, and each warpgroup adds its partial dQ by
+# read-modify-write into a buffer of its own (`_store_dq`).
+def _layout(x, *, on_gpu, reduce=None):
+    if not on_gpu:
+        return x
+    layout = plgpu.Layout.WGMMA if reduce is None else plgpu.Layout.WGMMA.reduce(reduce)
+    return plgpu.layout_cast(x, layout)
+
+
+def _load_vector(ref, *, on_gpu):
+    """A block_q vector laid out along the columns of a (block_kv, block_q) wgmma accumulator."""
+    if not on_gpu:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+class _T(NamedTuple):
+    """A shared-memory operand read transposed."""
+    ref: object
+
+
+def _value(x):
+    """An operand as an array (interpreter path)."""
+    if isinstance(x, _T):
+        return x.ref[...].T
+    return x if isinstance(x, jax.Array) else x[...]
+
+
+def _mma(*terms, on_gpu):
+    """[acc + a @ b for (acc, a, b) in terms], float32, issued together and waited for once.
+
+    acc: an accumulator array, or a (rows, cols) shape for a fresh zero one. a: 16-bit registers (in
+    the wgmma layout) or a shared-memory ref; b: a shared-memory ref; either ref may be `_T(ref)`.
+    a and b may also be equal-length tuples: acc + sum of a_i @ b_i."""
+    def init(acc):
+        return _layout(jnp.zeros(acc, jnp.float32), on_gpu=on_gpu) if isinstance(acc, tuple) else acc
+
+    terms = [(acc, a, b) if type(a) is tuple else (acc, (a,), (b,)) for acc, a, b in terms]  # _T is a tuple too
+    if not on_gpu:
+        return [init(acc) + sum(lax.dot(_value(x), _value(y), preferred_element_type=jnp.float32) for x, y in zip(a, b))
+                for acc, a, b in terms]
+
+    def operand(x):
+        return plgpu.transpose_ref(x.ref, (1, 0)) if isinstance(x, _T) else x
+
+    def issue(acc_refs):
+        for acc_ref, (_, a, b) in zip(acc_refs, terms):
+            for x, y in zip(a, b):
+                plgpu.wgmma(acc_ref, operand(x), operand(y))
+    return list(pl.run_state(issue)(tuple(plgpu.ACC.init(init(acc)) for acc, _, _ in terms)))
+
+
+def _compute(refs, bufs, bars, *, batch, kv_head, wg, kv_start, walk, scale, causal, diag_offset, block_q,
+             block_kv, stages, group, interpret, **_):
+    _, k_ref, v_ref, _, _, _, dq_ref, dk_ref, dv_ref = refs
+    k_all, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_all, dq_smem = bufs
+    k_smem, v_smem, dq_smem = k_all.at[wg], v_smem.at[wg], dq_smem.at[wg]
+    d, dtype = k_smem.shape[-1], k_smem.dtype
+    split = _splits_dq(d)
+    on_gpu = interpret is None
+    scale_log2 = scale * LOG2E
+    keys = kv_start + wg * block_kv
+    first, full, per_head = walk
+
+    kv_block = (batch, pl.ds(keys, block_kv), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["kv_ready"].at[wg])
+    plgpu.barrier_wait(bars["kv_ready"].at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem, bars["kv_ready"].at[wg])
+    plgpu.barrier_wait(bars["kv_ready"].at[wg])
+
+    def q_step(step, carry, *, masked):
+        dk, dv = carry
+        slot = lax.rem(step, jnp.int32(stages))
+        head = kv_head * group + lax.div(step, per_head)
+        rows = (first + lax.rem(step, per_head)) * block_q
+        plgpu.barrier_wait(bars["q_ready"].at[slot])
+        plgpu.barrier_wait(bars["lse_ready"].at[slot])
+        q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+
+        plgpu.barrier_wait(bars["do_ready"].at[slot])
+        # S^T = K Q^T and dP^T = V dO^T: both (block_kv, block_q), issued together.
+        s_t, dp_t = _mma(((block_kv, block_q), k_smem, _T(q_slot)), ((block_kv, block_q), v_smem, _T(do_slot)),
+                         on_gpu=on_gpu)
+        lse = _load_vector(lse_smem.at[slot], on_gpu=on_gpu)
+        p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+        if masked:  # key `keys + r` is hidden from query `rows + c` when it lies past its diagonal
+            r = _iota(s_t.shape, 0, on_gpu=on_gpu)
+            c = _iota(s_t.shape, 1, on_gpu=on_gpu)
+            p_t = jnp.where(c + (rows + diag_offset) >= r + keys, p_t, 0.0)
+        plgpu.barrier_wait(bars["delta_ready"].at[slot])
+        delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
+        ds16 = ((p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+        p16 = p_t.astype(dtype)
+        dq_rows = (batch, pl.ds(rows, block_q), head)
+        if not split:
+            # dS^T to shared memory, where the dQ product reads it transposed.
+            ds_smem = ds_all.at[wg]
+            ds_smem[...] = ds16
+            plgpu.commit_smem()
+            # dV += P^T dO, dK += dS^T Q, and this warpgroup's keys' share of dQ, dS K: issued together.
+            dv, dk, dq = _mma((dv, p16, do_slot), (dk, ds16, q_slot), ((block_q, d), _T(ds_smem), k_smem),
+                              on_gpu=on_gpu)
+            plgpu.barrier_arrive(bars["do_free"].at[slot])
+            plgpu.barrier_arrive(bars["q_free"].at[slot])
+            _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (wg, *dq_rows)], on_gpu=on_gpu)
+            return dk, dv
+        ds_both = ds_all.at[lax.rem(step, 2)]
+        ds_both.at[wg][...] = ds16
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(bars["ds_ready"])
+        dv, dk = _mma((dv, p16, do_slot), (dk, ds16, q_slot), on_gpu=on_gpu)
+        plgpu.barrier_arrive(bars["do_free"].at[slot])
+        plgpu.barrier_wait(bars["ds_ready"])  # the other warpgroup's dS^T is in shared memory too
+        half = d // COMPUTE_WGS
+        assert COMPUTE_WGS == 2
+        for w in range(COMPUTE_WGS):  # static column slices (swizzle tiles), one branch per warpgroup
+            @pl.when(wg == w)
+            def _():
+                cols = pl.ds(w * half, half)
+                # dQ[:, cols] = dS K[:, cols], dS over both warpgroups' keys.
+                # (Indices derived from wg: Mosaic GPU in jax 0.11 rejects constant ones into these refs.)
+                both = (wg, 1 - wg)
+                dq, = _mma(((block_q, half), tuple(_T(ds_both.at[u]) for u in both),
+                            tuple(k_all.at[u, :, cols] for u in both)), on_gpu=on_gpu)
+                target = (*dq_rows, cols)
+                _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
+        plgpu.barrier_arrive(bars["q_free"].at[slot])
+        return dk, dv
+
+    zeros = _layout(jnp.zeros((block_kv, d), jnp.float32), on_gpu=on_gpu)
+    carry = (zeros, zeros)
+    masked_steps = full - first  # per head: the first query blocks cross the diagonal
+
+    def head_walk(g, carry):
+        base = g * per_head
+        carry = lax.fori_loop(base, base + masked_steps, functools.partial(q_step, masked=True), carry)
+        return lax.fori_loop(base + masked_steps, base + per_head, functools.partial(q_step, masked=False), carry)
+
+    dk, dv = lax.fori_loop(0, group, head_walk, carry)
+    if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
+        plgpu.barrier_arrive(bars["ds_ready"])
+        plgpu.barrier_wait(bars["ds_ready"])
+    # K and V are no longer read: their tiles take dK and dV on the way out.
+    k_smem[...] = dk.astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    out_block = (batch, pl.ds(keys, block_kv), kv_head)
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _iota(shape, dim, *, on_gpu):
+    if not on_gpu:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _store_dq(dq, dq_smem, dq_gmem, *, on_gpu):
+    """dq_gmem += dq through the warpgroup's staging tile."""
+    if on_gpu:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read the tile
+        dq_smem[...] = dq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_smem, dq_gmem, reduction_op="add")
+        return
+    # The interpreter has no TMA reduction. It runs one program at a time, and each warpgroup adds
+    # into its own buffer (`dq_gmem` is warpgroup w's slice), so a read-modify-write is exact.
+    dq_smem[...] = dq_gmem[...] + dq
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_smem, dq_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, diag_offset=0, block_q=64,
+                        block_kv=64, stages=2, interpret=None):
+    """(dq_accum + dQ, dK, dV) of softmax(scale * q k^T [causal]) v; see the module docstring.
+
+    One Mosaic GPU kernel call and nothing else, so that `plgpu.as_torch_kernel` can launch a function
+    that calls this on torch tensors (dq_accum is then updated in place). `interpret`: Mosaic GPU
+    interpret-mode parameters to run on a CPU, or None to compile for the GPU."""
+    _check(q, k, v, do, lse_log2, delta, dq_accum, scale, block_q, block_kv, stages)
+    b, l, hq, d = q.shape
+    s, hk = k.shape[1], k.shape[2]
+    num_q_blocks = l // block_q
+    cfg = dict(scale=float(scale), causal=bool(causal), diag_offset=int(diag_offset), block_q=block_q,
+               block_kv=block_kv, stages=stages, group=hq // hk, num_q_blocks=num_q_blocks, interpret=interpret)
+    mesh = plgpu.Mesh(grid=(hk, s // (COMPUTE_WGS * block_kv), b), grid_names=("kv_heads", "kv_blocks", "batch"),
+                      num_threads=COMPUTE_WGS + 1, thread_name="wg")
+    grads_kv = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    kernel = functools.partial(pl.kernel, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True))
+    if interpret is None:  # dq_accum goes in as a mutable ref: the kernel adds into it in place
+        run = kernel(lambda *refs: _program(*refs, cfg=cfg), out_type=grads_kv)
+        dq_ref = jax.new_ref(dq_accum)
+        dk, dv = run(q, k, v, do, lse_log2, delta, dq_ref)
+        return dq_ref[...], dk, dv
+    # The interpreter takes no mutable refs: one zero-initialised float32 output per compute
+    # warpgroup takes its partial sums instead (`_store_dq`).
+    interpret = dataclasses.replace(interpret, uninitialized_memory="zero")
+    parts = jax.ShapeDtypeStruct((COMPUTE_WGS, *q.shape), jnp.float32)
+    run = kernel(lambda *r: _program(*r[:6], r[8], *r[6:8], cfg=cfg), out_type=(*grads_kv, parts),
+                 interpret=interpret)
+    dk, dv, dq_parts = run(q, k, v, do, lse_log2, delta)
+    return dq_accum + dq_parts.sum(0), dk, dv
