@@ -100,12 +100,13 @@ def _full_blocks(rows, lo, hi, band):
         full_lo = jnp.clip(pl.cdiv(last_row_first_key, jnp.int32(band.block_kv)), lo, hi)
     if band.right is None and not band.ragged_end:
         return full_lo, hi
+    whole_blocks = band.kv_len // band.block_kv  # the last block is padded
     if band.right is None:
-        full_end = jnp.int32(band.kv_len // band.block_kv)
-    else:  # the first row's right edge is the tightest
-        full_end = lax.div(rows + (band.diag_offset + band.right) + 1, jnp.int32(band.block_kv))
-        if band.ragged_end:
-            full_end = jnp.minimum(full_end, band.kv_len // band.block_kv)
+        return full_lo, (whole_blocks if band.left is None else jnp.clip(whole_blocks, full_lo, hi))
+    # The first row's right edge is the tightest.
+    full_end = lax.div(rows + (band.diag_offset + band.right) + 1, jnp.int32(band.block_kv))
+    if band.ragged_end:
+        full_end = jnp.minimum(full_end, whole_blocks)
     return full_lo, jnp.clip(full_end, full_lo, hi)
 
 
