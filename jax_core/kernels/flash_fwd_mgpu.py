@@ -100,7 +100,7 @@ def _full_blocks(rows, lo, hi, band):
         full_lo = jnp.clip(pl.cdiv(last_row_first_key, jnp.int32(band.block_kv)), lo, hi)
     if band.right is None and not band.ragged_end:
         return full_lo, hi
-    whole_blocks = band.kv_len // band.block_kv  # the last block is padded
+    whole_blocks = band.kv_len // band.block_kv  # blocks with no key past kv_len
     if band.right is None:
         return full_lo, (whole_blocks if band.left is None else jnp.clip(whole_blocks, full_lo, hi))
     # The first row's right edge is the tightest.
@@ -263,8 +263,9 @@ def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset
                              stages=2, window=None, softcap=None, sinks=None, interpret=None):
     """`flash_forward_mgpu` on whole tiles: L a multiple of 2 * block_q, S of block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding, padded query rows
-    computed like the others. One Mosaic GPU kernel call and nothing else, so that
-    `plgpu.as_torch_kernel` can launch a function that calls this on torch tensors."""
+    computed like the others. Padding must be finite (zeros, say): a masked key's weight is 0, and
+    0 * NaN is NaN. One Mosaic GPU kernel call and nothing else, so that `plgpu.as_torch_kernel`
+    can launch a function that calls this on torch tensors."""
     band = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
                          softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages)
     kv_len = band.kv_len if kv_len is None else kv_len
