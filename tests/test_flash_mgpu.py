@@ -230,8 +230,9 @@ def test_whole_tiles_take_no_copy():
     """With whole tiles the public function is the kernel call and nothing else (no pad, no slice),
     which `plgpu.as_torch_kernel` needs; otherwise it pads and slices around that one call."""
     def primitives(l, s):
-        args = (jax.ShapeDtypeStruct((1, l, 2, 64), jnp.float16),) + (jax.ShapeDtypeStruct((1, s, 2, 64), jnp.float16),) * 2
-        jaxpr = jax.make_jaxpr(lambda q, k, v: flash_forward_mgpu(q, k, v, scale=0.1, causal=True))(*args)
+        q = jax.ShapeDtypeStruct((1, l, 2, 64), jnp.float16)
+        kv = jax.ShapeDtypeStruct((1, s, 2, 64), jnp.float16)
+        jaxpr = jax.make_jaxpr(lambda q, k, v: flash_forward_mgpu(q, k, v, scale=0.1, causal=True))(q, kv, kv)
         return [str(e.primitive) for e in jaxpr.jaxpr.eqns]
     assert primitives(256, 384) == ["custom_vmap_call"]
     padded = primitives(97, 130)
@@ -282,7 +283,8 @@ def test_lowers_for_hopper(kw, lengths):
     (dict(window=(1.0, 2)), r"window=\(1.0, 2\): expected None"),
     (dict(softcap=0.0), r"softcap=0.0: expected None or a positive finite Python float"),
     (dict(softcap=float("inf")), r"softcap=inf: expected None or a positive"),
-    (dict(sinks=np.zeros(3, np.float32)), r"sinks of shape \(3,\) and dtype float32: expected a float32 array of shape \(Hq,\) = \(2,\)"),
+    (dict(sinks=np.zeros(3, np.float32)),
+     r"sinks of shape \(3,\) and dtype float32: expected a float32 array of shape \(Hq,\) = \(2,\)"),
     (dict(sinks=np.zeros(2, np.float16)), r"sinks of shape \(2,\) and dtype float16: expected a float32"),
 ])
 def test_rejects_bad_arguments(kw, match):
