@@ -7,6 +7,10 @@ every barrier wait and arrival, the causal block ranges, the online softmax and 
 written; the interpreter has no wgmma on a transposed or register operand and no layouts, so there the
 two matmuls are plain dots on the same shared-memory slots (see the kernel's `_scores`,
 `_accumulate_pv`). A GPU without sm90 skips.
+
+Features and edge tiles (any L, S; windows in both alignments; soft cap; sinks; GQA; their
+combinations; rows that see no key) have their own oracle tests; `test_lowers_for_hopper` lowers
+every feature's kernel to Mosaic GPU (no GPU needed), which the interpreter does not.
 """
 
 import numpy as np
@@ -23,9 +27,11 @@ except Exception as exc:  # pragma: no cover - depends on the environment (Mosai
 
 import jax.numpy as jnp  # noqa: E402
 
-from attention_reference import assert_close_finite, assert_dtype_rule, from_bthd, reference  # noqa: E402
+from attention_reference import (  # noqa: E402
+    assert_close_finite, assert_dtype_rule, from_bthd, reference, visibility)
 
-from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu  # noqa: E402
+from jaxattn.jax_core.kernels.flash_fwd_mgpu import (  # noqa: E402
+    flash_forward_mgpu, flash_forward_mgpu_tiles, padded_lengths)
 
 
 def _mode():
@@ -49,15 +55,48 @@ def fresh_interpreter():
     yield
 
 
-def _run(q, k, v, **kw):
+def _run(q, k, v, *, fn=flash_forward_mgpu, **kw):
     interpret = InterpretGPUParams() if MODE == "interpret" else None
-    out, lse = flash_forward_mgpu(q, k, v, interpret=interpret, **kw)
+    out, lse = fn(q, k, v, interpret=interpret, **kw)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
 
 def _inputs(rng, b, l, s, hq, hk, d, dtype):
     shapes = ((b, l, hq, d), (b, s, hk, d), (b, s, hk, d))
     return [jnp.asarray(rng.standard_normal(sh, np.float32), dtype) for sh in shapes]
+
+
+# On the GPU the soft cap's tanh is tanh.approx.f32 (approx_math): relative error below 2**-10.9,
+# so a capped logit is off by up to softcap * 2**-10; the LSE (1-Lipschitz in the logits) by at most
+# that much, and each output (a convex mix of V rows, |V| < ~5 here) by at most 10 times that.
+# The interpreter computes tanh exactly.
+def _softcap_slack(softcap):
+    return softcap * 2.0 ** -10 if softcap is not None and MODE == "gpu" else 0.0
+
+
+def _check(q, k, v, out, lse, *, scale, causal=False, alignment="top_left", window=None, softcap=None,
+           sinks=None):
+    """out, lse (kernel layouts) against the float64 oracle on the same inputs; rows that see no
+    key give out exactly 0 and lse exactly -inf (the sink's logit with sinks)."""
+    dtype = q.dtype
+    tq, tk, tv = (from_bthd(np.asarray(x.astype(jnp.float32))) for x in (q, k, v))
+    tsinks = None if sinks is None else torch.tensor(np.asarray(sinks), dtype=torch.float64)
+    kw = dict(causal=causal, alignment=alignment, window=window, softcap=softcap, sinks=tsinks, scale=scale)
+    want, want_lse = reference(tq, tk, tv, **kw)
+    low, _ = reference(tq, tk, tv, dtype=torch.float16 if dtype == jnp.float16 else torch.bfloat16, **kw)
+    got = from_bthd(out)
+    floor = (4e-3 if dtype == jnp.bfloat16 else 1e-3) + 10 * _softcap_slack(softcap)
+    assert_dtype_rule("out", got, want, low, floor=floor)
+    assert_close_finite("lse", torch.from_numpy(np.array(lse)).double(), want_lse, tol=1e-5 + _softcap_slack(softcap))
+    l, s = q.shape[1], k.shape[1]
+    empty = ~visibility(l, s, causal=causal, alignment=alignment, window=window).any(-1).numpy()
+    assert np.all(out[:, empty] == 0)
+    if sinks is None:
+        assert np.all(lse[:, :, empty] == -np.inf)
+    else:  # the sink alone: m = sink * log2(e), l = 1, lse = m * ln 2
+        want_sink = np.broadcast_to(np.asarray(sinks)[None, :, None], lse[:, :, empty].shape)
+        np.testing.assert_allclose(lse[:, :, empty], want_sink, rtol=1e-6, atol=1e-6)
+    return empty
 
 
 # (B, L, S, Hq, Hk, D, causal, alignment, block_kv, stages, dtype)
@@ -79,30 +118,193 @@ def test_against_float64_oracle(b, l, s, hq, hk, d, causal, alignment, block_kv,
     diag_offset = s - l if alignment == "bottom_right" else 0
     out, lse = _run(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, block_kv=block_kv,
                     stages=stages)
-    tq, tk, tv = (from_bthd(np.asarray(x.astype(jnp.float32))) for x in (q, k, v))
-    want, want_lse = reference(tq, tk, tv, causal=causal, alignment=alignment, scale=scale)
-    torch_dtype = torch.float16 if dtype == jnp.float16 else torch.bfloat16
-    low, _ = reference(tq, tk, tv, causal=causal, alignment=alignment, scale=scale, dtype=torch_dtype)
-    got = from_bthd(out)
-    assert_dtype_rule("out", got, want, low, floor=4e-3 if dtype == jnp.bfloat16 else 1e-3)
-    assert_close_finite("lse", torch.from_numpy(np.array(lse)).double(), want_lse, tol=1e-5)
-    if alignment == "bottom_right" and l > s:  # rows i < L - S see no key
-        assert np.all(out[:, : l - s] == 0) and np.all(np.isneginf(lse[:, :, : l - s]))
+    empty = _check(q, k, v, out, lse, scale=scale, causal=causal, alignment=alignment)
+    assert empty.any() == (alignment == "bottom_right" and l > s)
+
+
+def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
+                  block_kv=64, stages=2, dtype=jnp.float16, d=64):
+    """Runs the kernel on fresh inputs with the features given and checks it against the oracle;
+    returns the rows that see no key."""
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, b, l, s, hq, hk, d, dtype)
+    sink_logits = jnp.asarray(rng.uniform(-1.0, 3.0, hq), jnp.float32) if sinks else None
+    scale = 0.8 / d ** 0.5
+    diag_offset = s - l if alignment == "bottom_right" else 0
+    out, lse = _run(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
+                    sinks=sink_logits, block_kv=block_kv, stages=stages)
+    assert out.shape == (b, l, hq, d) and lse.shape == (b, hq, l)
+    return _check(q, k, v, out, lse, scale=scale, causal=causal, alignment=alignment, window=window,
+                  softcap=softcap, sinks=sink_logits)
+
+
+# (B, L, S, Hq, Hk, keywords of _feature_case); block_kv 64 and L, S up to ~300 keep the interpreter quick.
+FEATURE_CASES = [
+    # edge tiles: L, S not multiples of 2 * block_q = 128 and block_kv = 64, L != S both ways
+    pytest.param(1, 97, 130, 4, 2, {}, id="edge-97x130-gqa"),
+    pytest.param(1, 1, 1, 2, 1, dict(causal=True), id="edge-1x1-causal"),
+    pytest.param(1, 130, 1, 1, 1, {}, id="edge-130x1"),
+    pytest.param(1, 1, 300, 2, 2, dict(causal=True, alignment="bottom_right", dtype=jnp.bfloat16),
+                 id="edge-1x300-causal-br-bf16"),
+    pytest.param(2, 200, 70, 2, 2, dict(causal=True, alignment="bottom_right"), id="edge-200x70-causal-br-empty"),
+    pytest.param(1, 97, 130, 2, 1, dict(causal=True, block_kv=128, stages=3), id="edge-97x130-causal-bkv128"),
+    # sliding windows, one- and two-sided, both alignments, left 0
+    pytest.param(1, 130, 200, 2, 2, dict(window=(32, -1)), id="window-left-only"),
+    pytest.param(1, 97, 150, 2, 1, dict(window=(-1, 16), alignment="bottom_right"), id="window-right-only-br"),
+    pytest.param(1, 97, 260, 4, 2, dict(window=(20, 40), alignment="bottom_right"), id="window-two-sided-br-gqa"),
+    pytest.param(1, 128, 128, 2, 2, dict(window=(0, 16)), id="window-left0"),
+    pytest.param(1, 130, 130, 1, 1, dict(window=(0, 0)), id="window-diagonal-only"),
+    pytest.param(1, 150, 300, 2, 2, dict(window=(48, -1), causal=True, alignment="bottom_right",
+                                          dtype=jnp.bfloat16), id="window-causal-br-bf16"),
+    pytest.param(1, 200, 70, 2, 2, dict(window=(5, 5), alignment="bottom_right"), id="window-br-l>s-empty"),
+    # soft cap, sinks, combinations
+    pytest.param(1, 97, 130, 2, 2, dict(softcap=5.0), id="softcap"),
+    pytest.param(1, 256, 256, 2, 1, dict(softcap=2.0, causal=True, dtype=jnp.bfloat16), id="softcap-causal-bf16"),
+    pytest.param(1, 130, 97, 4, 2, dict(sinks=True), id="sinks-gqa"),
+    pytest.param(1, 200, 70, 2, 2, dict(sinks=True, window=(5, 5), alignment="bottom_right"),
+                 id="sinks-window-br-empty"),
+    pytest.param(1, 150, 230, 4, 2, dict(window=(24, 8), softcap=4.0, sinks=True, causal=True,
+                                          alignment="bottom_right", dtype=jnp.bfloat16), id="all-features-gqa-bf16"),
+]
+
+
+@pytest.mark.parametrize("b, l, s, hq, hk, kw", FEATURE_CASES)
+def test_features_against_float64_oracle(b, l, s, hq, hk, kw, request):
+    empty = _feature_case(b, l, s, hq, hk, **kw)
+    assert empty.any() == request.node.callspec.id.endswith("-empty")  # the empty-row cases have some
+
+
+def _thorough_grid():
+    cases = []
+    for l, s in ((97, 300), (300, 97), (255, 256), (64, 65)):
+        for alignment in ("top_left", "bottom_right"):
+            for window, causal in (((17, -1), False), ((-1, 0), False), ((3, 70), False), ((40, -1), True),
+                                   (None, True)):
+                cases.append(pytest.param(l, s, alignment, window, causal, id=f"{l}x{s}-{alignment}-{window}-{causal}"))
+    return cases
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize("l, s, alignment, window, causal", _thorough_grid())
+@pytest.mark.parametrize("extras", [{}, dict(softcap=3.0, sinks=True)], ids=["plain", "softcap-sinks"])
+def test_feature_grid_against_float64_oracle(l, s, alignment, window, causal, extras):
+    _feature_case(1, l, s, 2, 1, causal=causal, alignment=alignment, window=window, **extras)
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_keys_outside_every_band_are_never_read(alignment):
+    """Key blocks no query row sees hold NaN in K and V: a kernel that ran a block of them through
+    its softmax (even masked: 0 * NaN) would return NaN. Window (0, 0) with L = 128 < S = 320 leaves
+    keys 128.. (top-left) or ..191 (bottom-right) unseen, whole 64-key blocks of them."""
+    l, s, rng = 128, 320, np.random.default_rng()
+    q, k, v = _inputs(rng, 1, l, s, 2, 1, 64, jnp.float16)
+    seen = slice(0, l) if alignment == "top_left" else slice(s - l, s)
+    unseen = np.ones(s, bool)
+    unseen[seen] = False
+    poison = jnp.asarray(unseen)[None, :, None, None]
+    kp, vp = (jnp.where(poison, jnp.asarray(np.nan, x.dtype), x) for x in (k, v))
+    out, lse = _run(q, kp, vp, scale=0.125, causal=False, diag_offset=s - l if alignment == "bottom_right" else 0,
+                    window=(0, 0), block_kv=64)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    clean = (jnp.where(poison, jnp.zeros((), x.dtype), x) for x in (k, v))  # same math: the oracle's inputs
+    _check(q, *clean, out, lse, scale=0.125, alignment=alignment, window=(0, 0))
+
+
+def test_tiles_kernel_masks_keys_past_kv_len():
+    """The bare kernel on whole tiles with kv_len < S: keys from kv_len on (here large finite
+    padding, which would dominate every row it reached) are masked; padded query rows are computed
+    like the others and dropped by the caller."""
+    l, s, kv_len, rng = 128, 192, 150, np.random.default_rng()
+    q, k, v = _inputs(rng, 1, l, s, 2, 2, 64, jnp.float16)
+    k = k.at[:, kv_len:].set(30.0)
+    v = v.at[:, kv_len:].set(1000.0)
+    # Bottom-right for 100 true query rows, and no right edge: every row would reach the padding.
+    out, lse = _run(q, k, v, fn=flash_forward_mgpu_tiles, scale=0.125, causal=False, window=(40, -1),
+                    kv_len=kv_len, diag_offset=kv_len - 100, block_kv=64)
+    q_true = q[:, :100]  # rows 100.. are padding: computed, then dropped here
+    _check(q_true, k[:, :kv_len], v[:, :kv_len], out[:, :100], lse[:, :, :100], scale=0.125, window=(40, -1),
+           alignment="bottom_right")
+
+
+def test_whole_tiles_take_no_copy():
+    """With whole tiles the public function is the kernel call and nothing else (no pad, no slice),
+    which `plgpu.as_torch_kernel` needs; otherwise it pads and slices around that one call."""
+    def primitives(l, s):
+        q = jax.ShapeDtypeStruct((1, l, 2, 64), jnp.float16)
+        kv = jax.ShapeDtypeStruct((1, s, 2, 64), jnp.float16)
+        jaxpr = jax.make_jaxpr(lambda q, k, v: flash_forward_mgpu(q, k, v, scale=0.1, causal=True))(q, kv, kv)
+        return [str(e.primitive) for e in jaxpr.jaxpr.eqns]
+    assert primitives(256, 384) == ["custom_vmap_call"]
+    padded = primitives(97, 130)
+    assert padded.count("custom_vmap_call") == 1 and "slice" in padded and len(padded) > 1
+    assert padded_lengths(97, 130, block_q=64, block_kv=128) == (128, 256)
+    assert padded_lengths(128, 256, block_q=64, block_kv=64) == (128, 256)
+
+
+LOWERING_CASES = [
+    pytest.param(dict(causal=True), id="causal"),
+    pytest.param(dict(causal=False, window=(20, 5)), id="window-two-sided"),
+    pytest.param(dict(causal=True, window=(3, -1), diag_offset=33), id="window-causal-offset"),
+    pytest.param(dict(causal=False, window=(-1, 7)), id="window-right-only"),
+    pytest.param(dict(causal=False, softcap=5.0), id="softcap"),
+    pytest.param(dict(causal=False, sinks=True), id="sinks"),
+    pytest.param(dict(causal=True, softcap=3.0, sinks=True, window=(9, 2)), id="all"),
+]
+
+
+@pytest.mark.parametrize("kw", LOWERING_CASES)
+@pytest.mark.parametrize("lengths", [(256, 384), (97, 130)], ids=["whole-tiles", "edge-tiles"])
+def test_lowers_for_hopper(kw, lengths):
+    """Every feature lowers to one Mosaic GPU kernel on the GPU path (layouts, masks, tanh, the sink's
+    scalar load), which the interpreter never exercises; lowering needs no GPU."""
+    kw = dict(kw)
+    sinks = jax.ShapeDtypeStruct((4,), jnp.float32) if kw.pop("sinks", False) else None
+    l, s = lengths
+    q = jax.ShapeDtypeStruct((1, l, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, s, 2, 64), jnp.bfloat16)
+
+    def forward(q, k, v, sinks):
+        return flash_forward_mgpu(q, k, v, scale=0.1, sinks=sinks, **kw)
+    text = jax.jit(forward).trace(q, k, k, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(l=192), r"query length L=192: expected a multiple of 2 \* block_q = 128"),
-    (dict(s=160), r"key length S=160: expected a multiple of block_kv=128"),
     (dict(d=80), r"head_dim=80: expected 64 or 128"),
     (dict(hk=3, hq=4), r"query heads 4, KV heads 3"),
     (dict(dtype=jnp.float32), r"q.dtype=float32: expected bfloat16 or float16"),
+    (dict(l=0), r"query length L=0, key length S=256: expected both at least 1"),
     (dict(stages=1), r"stages=1: expected at least 2"),
     (dict(stages=3, d=128), r"stages=3, block_kv=128, head_dim=128: 229376 bytes of shared-memory buffers"),
     (dict(scale=-1.0), r"scale=-1.0: expected a positive"),
+    (dict(diag_offset=1.5), r"diag_offset=1.5: expected a Python int"),
+    (dict(window=(4,)), r"window=\(4,\): expected None or \(left, right\), two ints >= -1"),
+    (dict(window=(-2, 0)), r"window=\(-2, 0\): expected None or \(left, right\)"),
+    (dict(window=(1.0, 2)), r"window=\(1.0, 2\): expected None"),
+    (dict(softcap=0.0), r"softcap=0.0: expected None or a positive finite Python float"),
+    (dict(softcap=float("inf")), r"softcap=inf: expected None or a positive"),
+    (dict(sinks=np.zeros(3, np.float32)),
+     r"sinks of shape \(3,\) and dtype float32: expected a float32 array of shape \(Hq,\) = \(2,\)"),
+    (dict(sinks=np.zeros(2, np.float16)), r"sinks of shape \(2,\) and dtype float16: expected a float32"),
 ])
 def test_rejects_bad_arguments(kw, match):
+    kw = dict(kw)
     shape = dict(b=1, l=128, s=256, hq=2, hk=2, d=64, dtype=jnp.float16) | {
-        key: kw[key] for key in ("l", "s", "hq", "hk", "d", "dtype") if key in kw}
+        key: kw.pop(key) for key in ("l", "s", "hq", "hk", "d", "dtype") if key in kw}
     q, k, v = _inputs(np.random.default_rng(0), **shape)
+    kw = dict(scale=0.125, causal=True) | kw
     with pytest.raises(ValueError, match=match):
-        flash_forward_mgpu(q, k, v, scale=kw.get("scale", 0.125), causal=True, stages=kw.get("stages", 2))
+        flash_forward_mgpu(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("l, s, kv_len, match", [
+    (192, 256, None, r"query length L=192: expected a multiple of 2 \* block_q = 128; hint: flash_forward_mgpu pads"),
+    (128, 160, None, r"key length S=160: expected a multiple of block_kv=128"),
+    (128, 256, 128, r"kv_len=128: expected an int in \(128, 256\]"),
+    (128, 256, 257, r"kv_len=257: expected an int in \(128, 256\]"),
+    (128, 256, 200.0, r"kv_len=200.0: expected an int"),
+])
+def test_tiles_kernel_rejects_partial_tiles(l, s, kv_len, match):
+    q, k, v = _inputs(np.random.default_rng(0), 1, l, s, 2, 2, 64, jnp.float16)
+    with pytest.raises(ValueError, match=match):
+        flash_forward_mgpu_tiles(q, k, v, scale=0.125, causal=True, kv_len=kv_len)

@@ -1,0 +1,93 @@
+"""Argument checks of the Pallas Mosaic GPU flash forward (flash_fwd_mgpu.py).
+
+Every check raises a ValueError that names the argument, its value, what is expected and a hint.
+Imports only JAX (for dtypes); no kernel code, so the kernel module stays about the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax.numpy as jnp
+
+COMPUTE_WGS = 2
+#: Shared memory one thread block may use on sm90, and what the kernel keeps free of its buffers.
+SMEM_BYTES = 232448
+SMEM_RESERVE = 4096
+
+
+def check_arrays(q, k, v):
+    """Layouts, dtypes and head counts of q (B, L, Hq, D), k and v (B, S, Hk, D)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}.shape={x.shape}: expected (batch, length, heads, head_dim)")
+        if x.dtype not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"{name}.dtype={x.dtype}: expected bfloat16 or float16 (wgmma operands); "
+                             "cast float32 inputs first")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}: expected one dtype")
+    b, l, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k.shape={k.shape}, v.shape={v.shape}: expected both (B={b}, S, Hk, D={d})")
+    if l < 1 or k.shape[1] < 1:
+        raise ValueError(f"query length L={l}, key length S={k.shape[1]}: expected both at least 1; "
+                         "hint: skip the call for empty sequences")
+    if d not in (64, 128):
+        raise ValueError(f"head_dim={d}: expected 64 or 128; hint: use the Triton flash kernel")
+    if hq % k.shape[2]:
+        raise ValueError(f"query heads {hq}, KV heads {k.shape[2]}: expected a multiple (GQA)")
+
+
+def check_tiling(d, itemsize, block_q, block_kv, stages):
+    """Tile sizes, pipeline depth and the shared memory they take."""
+    if block_q % 64 or block_kv % 64 or block_q <= 0 or block_kv <= 0:
+        raise ValueError(f"block_q={block_q}, block_kv={block_kv}: expected positive multiples of 64 "
+                         "(a wgmma tile is 64 rows)")
+    if stages < 2:
+        raise ValueError(f"stages={stages}: expected at least 2 (one slot loading while one is read)")
+    # Q/O tiles and the K and V rings; barriers and Mosaic's own scratch take a few KiB more (an
+    # H100 run of D=128, block_kv=128, stages=3: 229,888 bytes of buffers, 232,568 in all).
+    buffers = itemsize * (COMPUTE_WGS * block_q * d + 2 * stages * block_kv * d)
+    if buffers > SMEM_BYTES - SMEM_RESERVE:
+        raise ValueError(f"stages={stages}, block_kv={block_kv}, head_dim={d}: {buffers} bytes of shared-memory "
+                         f"buffers, expected at most {SMEM_BYTES - SMEM_RESERVE} (Hopper's {SMEM_BYTES} per block "
+                         f"less {SMEM_RESERVE} for barriers and scratch); hint: fewer stages or a smaller block_kv")
+
+
+def check_whole_tiles(l, s, kv_len, block_q, block_kv):
+    """The kernel itself streams whole tiles: L a multiple of 2 * block_q, S of block_kv, and
+    kv_len (the true key count, keys past it masked) within the last key tile."""
+    if l % (COMPUTE_WGS * block_q):
+        raise ValueError(f"query length L={l}: expected a multiple of 2 * block_q = {COMPUTE_WGS * block_q}; "
+                         "hint: flash_forward_mgpu pads the queries itself")
+    if s % block_kv:
+        raise ValueError(f"key length S={s}: expected a multiple of block_kv={block_kv}; "
+                         "hint: flash_forward_mgpu pads the keys (and masks them) itself")
+    if not (isinstance(kv_len, numbers.Integral) and s - block_kv < kv_len <= s):
+        raise ValueError(f"kv_len={kv_len!r}: expected an int in ({s - block_kv}, {s}] (the true key count "
+                         f"of keys padded to S={s}, less than one block_kv={block_kv} of padding)")
+
+
+def check_features(hq, *, scale, diag_offset, window, softcap, sinks):
+    """Scale, diagonal offset, window, soft cap and sinks (all but sinks are compiled in)."""
+    if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and 0 < scale < math.inf):
+        raise ValueError(f"scale={scale!r}: expected a positive Python float (it is compiled in)")
+    if isinstance(diag_offset, bool) or not isinstance(diag_offset, numbers.Integral):
+        raise ValueError(f"diag_offset={diag_offset!r}: expected a Python int (it is compiled in); hint: 0 "
+                         "aligns the diagonal top-left, S - L bottom-right")
+    if window is not None:
+        ok = (isinstance(window, (tuple, list)) and len(window) == 2
+              and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window))
+        if not ok:
+            raise ValueError(f"window={window!r}: expected None or (left, right), two ints >= -1 (-1: "
+                             "unbounded on that side); hint: (w, 0) is a causal sliding window of w + 1 keys")
+    if softcap is not None and (isinstance(softcap, bool) or not (isinstance(softcap, numbers.Real)
+                                                                 and 0 < softcap < math.inf)):
+        raise ValueError(f"softcap={softcap!r}: expected None or a positive finite Python float (it is "
+                         "compiled in); hint: None for no cap")
+    if sinks is not None:
+        shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
+        if shape != (hq,) or dtype != jnp.float32:
+            raise ValueError(f"sinks of shape {shape} and dtype {dtype}: expected a float32 array of shape "
+                             f"(Hq,) = ({hq},), one sink logit per query head; hint: sinks.astype(jnp.float32)")
