@@ -160,3 +160,25 @@ def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes
                                     segment_ids=segment_ids, alibi_slopes=alibi_slopes, mesh=mesh,
                                     axis_name=mesh.axis_names[0], **options)
     return tuple(_swap(g) for g in grads)
+
+
+# The Hopper kernels (Pallas Mosaic GPU) on whole tiles, each one kernel call and nothing else, as
+# `plgpu.as_torch_kernel` launches them on torch tensors. Arrays are (B, T, H, D); the tile settings
+# are the ones measured fastest on an H100 (BENCHMARKS.md, "Hopper kernels").
+HOPPER_TILES = dict(forward=dict(block_q=64, block_kv=128, stages=2), backward=dict(block_q=64, block_kv=64, stages=2))
+
+
+def flash_hopper(query, key, value, *, scale, causal, diag_offset):
+    """(out (B, L, Hq, D), lse (B, Hq, L) float32); L and S in whole tiles (`hopper_flash` checks)."""
+    from .kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
+
+    return flash_forward_mgpu_tiles(query, key, value, scale=scale, causal=causal, diag_offset=diag_offset,
+                                    **HOPPER_TILES["forward"])
+
+
+def flash_hopper_backward(query, key, value, d_out, lse_log2, delta, dq_accum, *, scale, causal, diag_offset):
+    """(dq_accum + dQ float32, dK, dV): `flash_bwd_mgpu.flash_backward_mgpu` with the tuned tiles."""
+    from .kernels.flash_bwd_mgpu import flash_backward_mgpu
+
+    return flash_backward_mgpu(query, key, value, d_out, lse_log2, delta, dq_accum, scale=scale, causal=causal,
+                               diag_offset=diag_offset, **HOPPER_TILES["backward"])

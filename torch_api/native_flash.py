@@ -23,6 +23,7 @@ from ..bridge.triton_autograd import PreparedTritonCall, TritonOp, cached_hash, 
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
+from .hopper_flash import hopper_flash, hopper_reasons
 
 try:
     from ..jax_core.kernels import flash_entries_triton as entries_triton
@@ -418,7 +419,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
 class NativeFlash(PreparedTritonCall):
     """The native flash call of one call signature (the drop-in prepares one per signature).
 
-    `flash_forward` with this signature's settings. A call without bias, mask or dropout (a
+    `flash_forward` with this signature's settings; on Hopper, calls `hopper_flash.hopper_reasons`
+    accepts run the Mosaic GPU kernels instead. A call without bias, mask or dropout (a
     decoding step, a causal prefill, a causal training step) keeps its launches here, since the
     signature fixes them: an eager call that needs no gradient launches directly, one that needs
     gradients enters autograd through `PreparedTritonCall.apply` with this object as its state, and its
@@ -444,6 +446,8 @@ class NativeFlash(PreparedTritonCall):
         if (bias is None and mask is None and seed is None and not traced() and forward_ad._current_level < 0
                 and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
                 and not recorded()):
+            if q.is_cuda and q.shape[-1] == 128 and not hopper_reasons(q, k, v, self.cfg):
+                return hopper_flash(q, k, v, self.cfg)
             kernel = _entries(q, k)["fwd"]
             if self._kernel is not kernel:
                 self._launches = _launches(self.spec, q, k, v, None, None, None, None)

@@ -1,0 +1,150 @@
+"""The Hopper kernels (Pallas Mosaic GPU forward and backward) through the torch drop-in, against the
+same drop-in on the Triton kernels and torch's own SDPA backends (cuDNN, flash), in one process.
+
+    python benchmarks/hopper_torch_gpu.py [--out hopper_torch.json] [--quick]
+
+Rows, causal bf16 at head dim 128 unless noted, each timed forward only (no grad) and forward +
+backward (autograd.grad of the output against a fixed cotangent):
+    * "jaxattn hopper": `scaled_dot_product_attention` under `sdpa_launcher("native")`, which takes the
+      Hopper kernels where `torch_api.hopper_flash.hopper_reasons` accepts the call;
+    * "jaxattn triton": the same call with the Hopper kernels switched off (the Triton kernels);
+    * "torch cudnn" / "torch flash": F.scaled_dot_product_attention under `sdpa_kernel`.
+And the forward kernel's feature costs at (2,16,8192,128): soft cap, sinks, and a causal window
+covering every key, against the plain causal kernel (as_torch_kernel directly).
+
+Timing: `gpu_timing.time_torch` (back-to-back calls between CUDA events, median of repeats).
+TFLOP/s: forward 4*B*H*L*S*D (halved for causal), forward + backward 3.5x that. Each row's output
+is checked against torch's math on float32 copies first (max abs error, flagged above 3e-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
+import jax
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gpu_timing import time_torch
+from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention, sdpa_launcher
+
+SHAPES = [(1, 16, 16384, 128), (2, 16, 8192, 128), (2, 16, 4096, 128), (4, 16, 2048, 128), (8, 16, 1024, 128)]
+FEATURE_SHAPE = (2, 16, 8192, 128)
+
+
+def flops(b, h, l, d, causal):
+    return 4 * b * h * l * l * d / (2 if causal else 1)
+
+
+def drop_in(hopper: bool):
+    def run(q, k, v, causal):
+        saved = hopper_flash.HOPPER_MIN_WORK
+        hopper_flash.HOPPER_MIN_WORK = saved if hopper else math.inf
+        try:
+            with sdpa_launcher("native"):
+                return scaled_dot_product_attention(q, k, v, is_causal=causal)
+        finally:
+            hopper_flash.HOPPER_MIN_WORK = saved
+    return run
+
+
+def torch_backend(backend):
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+ROWS = {"jaxattn hopper": drop_in(True), "jaxattn triton": drop_in(False),
+        "torch cudnn": torch_backend(SDPBackend.CUDNN_ATTENTION), "torch flash": torch_backend(SDPBackend.FLASH_ATTENTION)}
+
+
+def measure(shape, causal, dtype, rows):
+    b, h, l, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, cot = (torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=dtype) for _ in range(4))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    with torch.no_grad():
+        want = F.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(), is_causal=causal)
+    for name, fn in ROWS.items():
+        row = dict(shape=list(shape), causal=causal, dtype=str(dtype).split(".")[-1], row=name)
+        try:
+            with torch.no_grad():
+                row["max_abs_err"] = (fn(q, k, v, causal)[:1].float() - want).abs().max().item()
+                row["fwd_us"] = time_torch(lambda: fn(q, k, v, causal), iters=10)
+
+            def train():
+                out = fn(*leaves, causal)
+                torch.autograd.grad(out, leaves, cot)
+            row["fwd_bwd_us"] = time_torch(train, iters=5)
+            f = flops(b, h, l, d, causal)
+            row["fwd_tflops"] = f / row["fwd_us"] / 1e6
+            row["fwd_bwd_tflops"] = 3.5 * f / row["fwd_bwd_us"] / 1e6
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        rows.append(row)
+        print(format_row(row), flush=True)
+
+
+def feature_costs(rows):
+    """The forward kernel with each feature against the plain causal kernel, as_torch_kernel directly."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
+
+    b, h, l, d = FEATURE_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, l, h, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    sinks = torch.randn(h, generator=gen, device="cuda", dtype=torch.float32)
+    variants = {"plain causal": (dict(), ()), "soft cap 30": (dict(softcap=30.0), ()),
+                "sinks": (dict(), (sinks,)), f"window ({l}, 0)": (dict(window=(l, 0)), ())}
+    base = None
+    for name, (kw, extra) in variants.items():
+        def fn(q, k, v, *s, kw=kw):
+            return flash_forward_mgpu_tiles(q, k, v, scale=d ** -0.5, causal=True, sinks=s[0] if s else None, **kw)
+        kernel = plgpu.as_torch_kernel(fn)
+        us = time_torch(lambda: kernel(q, k, v, *extra), iters=10)
+        base = base or us
+        row = dict(shape=[b, h, l, d], row=f"hopper forward, {name}", fwd_us=us, cost=us / base - 1,
+                   fwd_tflops=flops(b, h, l, d, True) / us / 1e6)
+        rows.append(row)
+        print(f"{str(tuple(row['shape'])):20} {row['row']:32} {us:9.1f} us {row['fwd_tflops']:6.1f} TF  "
+              f"{100 * row['cost']:+.1f}%", flush=True)
+
+
+def format_row(row):
+    head = f"{str(tuple(row['shape'])):20} {row['dtype']:8} {'causal' if row['causal'] else 'full':6} {row['row']:15}"
+    if "error" in row:
+        return f"{head} FAILED {row['error']}"
+    return (f"{head} fwd {row['fwd_us']:9.1f} us {row['fwd_tflops']:6.1f} TF | fwd+bwd {row['fwd_bwd_us']:9.1f} us "
+            f"{row['fwd_bwd_tflops']:6.1f} TF | err {row['max_abs_err']:.1e}{'  <-- ERROR' if row['max_abs_err'] > 3e-2 else ''}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="the first shape only, no feature costs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
+    rows = []
+    for shape in SHAPES[:1] if args.quick else SHAPES:
+        measure(shape, True, torch.bfloat16, rows)
+    if not args.quick:
+        measure(SHAPES[0], False, torch.bfloat16, rows)
+        measure(SHAPES[1], True, torch.float16, rows)
+        feature_costs(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, jax=jax.__version__,
+                           rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

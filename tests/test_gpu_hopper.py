@@ -1,0 +1,91 @@
+"""The Hopper (Pallas Mosaic GPU) flash kernels behind the torch drop-in: which calls take them, and
+their outputs and gradients against torch's math on float32 copies (the 2x same-dtype rule).
+
+The choice (`hopper_reasons`) is checked everywhere; the kernels run only on an sm90 GPU.
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jaxattn.jax_core.kernels.flash_plan import FlashConfig  # noqa: E402
+from jaxattn.torch_api import hopper_flash, native_flash, scaled_dot_product_attention, sdpa_launcher  # noqa: E402
+
+
+def _hopper_gpu() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    return not hopper_flash.mosaic_reasons(torch.device("cuda"))
+
+
+def test_reasons_name_what_keeps_a_call_off_the_hopper_kernels():
+    cfg = FlashConfig(scale=0.1, causal=True)
+    meta = dict(device="meta")
+    q = torch.empty(2, 16, 2048, 128, dtype=torch.bfloat16, **meta)
+    k = torch.empty(2, 4, 2048, 128, dtype=torch.bfloat16, **meta)
+    cases = [
+        ((q.float(), k.float(), k.float(), cfg), "dtype torch.float32"),
+        ((q[..., :64], k[..., :64], k[..., :64], cfg), "head dims 64/64"),
+        ((q, k, k, FlashConfig(scale=0.1, causal=True, window=(128, 0))), "window, soft cap"),
+        ((q[:, :, :2000], k, k, cfg), "lengths L=2000, S=2048"),
+        ((q[:1, :, :256], k[:1, :, :256], k[:1, :, :256], cfg), "work B*Hq*L*S"),
+        ((q, k, k, cfg), "Mosaic GPU kernels run on CUDA devices (device meta)"),
+    ]
+    for args, want in cases:
+        reasons = hopper_flash.hopper_reasons(*args)
+        assert any(want in r for r in reasons), (want, reasons)
+
+
+def test_deterministic_mode_keeps_calls_off_the_hopper_kernels():
+    q = torch.empty(2, 16, 2048, 128, dtype=torch.bfloat16, device="meta")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        reasons = hopper_flash.hopper_reasons(q, q, q, FlashConfig(scale=0.1))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert any("deterministic" in r for r in reasons)
+
+
+def _math(q, k, v, causal, dtype, gqa):
+    """torch's math SDPA in `dtype`, with its gradients of sum(out * cot)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa)
+    return out, leaves
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b, hq, hk, l, s, causal", [
+    (2, 16, 16, 2048, 2048, True),
+    (4, 16, 4, 1024, 2048, True),   # GQA, L < S: causal aligned top-left as torch's is_causal
+    (2, 16, 2, 2048, 2048, False),
+])
+def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal):
+    taken = []
+    real = native_flash.hopper_flash
+    monkeypatch.setattr(native_flash, "hopper_flash", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+    q = torch.randn(b, hq, l, 128, generator=gen, device="cuda")
+    k, v = (torch.randn(b, hk, s, 128, generator=gen, device="cuda") for _ in range(2))
+    cot = torch.randn(b, hq, l, 128, generator=gen, device="cuda")
+    gqa = hq != hk
+    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    with sdpa_launcher("native"):
+        out = scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa)
+    grads = torch.autograd.grad((out * cot.to(dtype)).sum(), leaves)
+    assert taken, "the call did not take the Hopper kernels"
+    want, want_leaves = _math(q, k, v, causal, torch.float32, gqa)
+    want_grads = torch.autograd.grad((want * cot).sum(), want_leaves)
+    low, low_leaves = _math(q, k, v, causal, dtype, gqa)
+    low_grads = torch.autograd.grad((low * cot.to(dtype)).sum(), low_leaves)
+    for name, got, ref, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads), (low, *low_grads)):
+        err = (got.float() - ref).abs().max().item()
+        torch_err = (theirs.float() - ref).abs().max().item()
+        assert err <= 2 * torch_err + 1e-3 * max(1.0, ref.abs().max().item()), (name, err, torch_err)
+        assert math.isfinite(err)

@@ -1,0 +1,108 @@
+"""The Hopper flash kernels (Pallas Mosaic GPU: `flash_fwd_mgpu`, `flash_bwd_mgpu`) launched from torch.
+
+The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
+sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, GQA, no bias,
+mask, dropout, soft cap, window or sinks, lengths in whole tiles, eager on the default stream, and
+work of at least `HOPPER_MIN_WORK` (below it the Triton kernels measured as fast). On an H100 they
+measured faster than the Triton kernels at every such shape of BENCHMARKS.md ("Hopper kernels").
+
+dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
+run; `torch.use_deterministic_algorithms(True)` keeps such calls on the Triton kernels.
+
+Shape legend: B batch, Hq / Hk query / KV heads, L query length, S key length, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
+from ..jax_core import calls
+from ..jax_core.kernels.flash_plan import FlashConfig
+
+#: Fewest (query, key) pairs per (batch, head) times batch * heads for which the Hopper kernels run.
+HOPPER_MIN_WORK = 2 * 16 * 2048 * 2048
+_ROWS, _KEYS = 128, 128  # whole tiles of both kernels (`jax_core.calls.HOPPER_TILES`)
+_FORWARD = MosaicKernel(calls.flash_hopper)
+_BACKWARD = MosaicKernel(calls.flash_hopper_backward)
+_LOG2E = 1.4426950408889634
+
+
+def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig) -> list[str]:
+    """Why the Hopper kernels do not run this native flash call (empty when they do).
+
+    q (B, Hq, L, D), k (B, Hk, S, D), v (B, Hk, S, Dv) as the native launcher takes them (no bias,
+    mask, sinks or packing: the caller checks those)."""
+    reasons = []
+    (b, hq, l, d), (hk, s), dv = q.shape, k.shape[1:3], v.shape[-1]
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        reasons.append(f"dtype {q.dtype}: the Hopper kernels take bfloat16 or float16")
+    if d != 128 or dv != 128:
+        reasons.append(f"head dims {d}/{dv}: the Hopper kernels run head dim 128")
+    if cfg.window != (-1, -1) or cfg.softcap is not None or cfg.dropout_p or cfg.varlen is not None:
+        reasons.append("window, soft cap, dropout or varlen: the Hopper backward has none of them yet")
+    if l % _ROWS or s % _KEYS:
+        reasons.append(f"lengths L={l}, S={s}: the Hopper kernels take multiples of {_ROWS}")
+    if hq % hk:
+        reasons.append(f"num_q_heads={hq} is not a multiple of num_kv_heads={hk}")
+    if b * hq * l * s < HOPPER_MIN_WORK:
+        reasons.append(f"work B*Hq*L*S={b * hq * l * s} below {HOPPER_MIN_WORK}: the Triton kernels are as fast")
+    if torch.are_deterministic_algorithms_enabled():
+        reasons.append("deterministic algorithms are on, and the Hopper backward adds dQ in varying order")
+    if not reasons:
+        reasons += mosaic_reasons(q.device)
+    return reasons
+
+
+def _blhd(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) -> contiguous (B, T, H, D) (free for a transposed (B, T, H, D) tensor)."""
+    return t.transpose(1, 2).contiguous()
+
+
+def _static(cfg: FlashConfig) -> dict:
+    return dict(scale=float(cfg.scale), causal=bool(cfg.causal), diag_offset=int(cfg.diag_offset))
+
+
+def hopper_forward(q, k, v, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Hq, L, D) view of (B, L, Hq, D) memory, lse (B, Hq, L) float32), no gradient."""
+    out, lse = _FORWARD(_blhd(q), _blhd(k), _blhd(v), **_static(cfg))
+    return out.transpose(1, 2), lse
+
+
+def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in (B, H, T, D) views of the inputs' dtype, from the forward's out and lse."""
+    do = _blhd(dout.to(q.dtype))
+    delta = (out.float() * dout.float()).sum(-1).contiguous()  # rowsum(dO * O): (B, Hq, L)
+    lse_log2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E).contiguous()
+    accum = torch.zeros(do.shape, dtype=torch.float32, device=q.device)
+    dq, dk, dv = _BACKWARD(_blhd(q), _blhd(k), _blhd(v), do, lse_log2, delta, accum, **_static(cfg))
+    return dq.to(q.dtype).transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+class _HopperFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cfg: FlashConfig, q, k, v):
+        out, lse = hopper_forward(q, k, v, cfg)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if torch.is_grad_enabled():
+            raise NotImplementedError("the Hopper flash kernels' gradients are not differentiable again (a backward "
+                                      "with create_graph=True); sdpa_launcher('xla') runs a differentiable path")
+        q, k, v, out, lse = ctx.saved_tensors
+        return (None, *hopper_backward(q, k, v, out, lse, dout, ctx.cfg))
+
+
+def hopper_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig,
+                 grad: Optional[bool] = None) -> torch.Tensor:
+    """Attention out (B, Hq, L, D) by the Hopper kernels; differentiable in q, k, v (eager autograd)."""
+    if grad is None:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if grad:
+        return _HopperFunction.apply(cfg, q, k, v)
+    return hopper_forward(q, k, v, cfg)[0]
