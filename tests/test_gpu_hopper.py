@@ -61,21 +61,25 @@ def _math(q, k, v, causal, dtype, gqa):
 
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b, hq, hk, l, s, causal", [
-    (2, 16, 16, 2048, 2048, True),
-    (4, 16, 4, 1024, 2048, True),   # GQA, L < S: causal aligned top-left as torch's is_causal
-    (2, 16, 2, 2048, 2048, False),
+@pytest.mark.parametrize("b, hq, hk, l, s, causal, memory", [
+    (2, 16, 16, 2048, 2048, True, "BHLD"),  # (B, H, L, D) memory: passed folded, no copy
+    (2, 16, 16, 2048, 2048, True, "BLHD"),  # (B, L, H, D) memory seen transposed: passed as is
+    (4, 16, 4, 1024, 2048, True, "BHLD"),   # GQA (copied to (B, L, H, D)), L < S: causal top-left
+    (2, 16, 2, 2048, 2048, False, "BLHD"),
 ])
-def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal):
+def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
     taken = []
     real = native_flash.hopper_flash
     monkeypatch.setattr(native_flash, "hopper_flash", lambda *a, **kw: taken.append(1) or real(*a, **kw))
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
-    q = torch.randn(b, hq, l, 128, generator=gen, device="cuda")
-    k, v = (torch.randn(b, hk, s, 128, generator=gen, device="cuda") for _ in range(2))
+    def tensor(h, t):
+        if memory == "BHLD":
+            return torch.randn(b, h, t, 128, generator=gen, device="cuda")
+        return torch.randn(b, t, h, 128, generator=gen, device="cuda").transpose(1, 2)
+    q, k, v = tensor(hq, l), tensor(hk, s), tensor(hk, s)
     cot = torch.randn(b, hq, l, 128, generator=gen, device="cuda")
     gqa = hq != hk
-    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]  # .to keeps the memory layout
     with sdpa_launcher("native"):
         out = scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa)
     grads = torch.autograd.grad((out * cot.to(dtype)).sum(), leaves)

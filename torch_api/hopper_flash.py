@@ -56,9 +56,20 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     return reasons
 
 
-def _blhd(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, D) -> contiguous (B, T, H, D) (free for a transposed (B, T, H, D) tensor)."""
-    return t.transpose(1, 2).contiguous()
+def _kernel_views(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
+    """(B, H, T, D) tensors as the kernels' (batch, T, heads, D) arrays without a copy where possible, and
+    whether they were folded: (B, H, T, D) memory itself, with equal head counts, passes as (B*H, T, 1, D)
+    (attention per (batch, head) pair); (B, T, H, D) memory seen transposed passes as is; anything else
+    is copied to (B, T, H, D)."""
+    heads = {t.shape[1] for t in tensors}
+    if len(heads) == 1 and all(t.is_contiguous() for t in tensors):
+        return [t.reshape(t.shape[0] * t.shape[1], t.shape[2], 1, t.shape[3]) for t in tensors], True
+    return [t.transpose(1, 2).contiguous() for t in tensors], False
+
+
+def _torch_view(x: torch.Tensor, like: torch.Tensor, folded: bool) -> torch.Tensor:
+    """A kernel result of (batch, T, heads, D) back in `like`'s (B, H, T, D) shape."""
+    return x.view(like.shape) if folded else x.transpose(1, 2)
 
 
 def _static(cfg: FlashConfig) -> dict:
@@ -66,19 +77,23 @@ def _static(cfg: FlashConfig) -> dict:
 
 
 def hopper_forward(q, k, v, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, Hq, L, D) view of (B, L, Hq, D) memory, lse (B, Hq, L) float32), no gradient."""
-    out, lse = _FORWARD(_blhd(q), _blhd(k), _blhd(v), **_static(cfg))
-    return out.transpose(1, 2), lse
+    """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient."""
+    (kq, kk, kv), folded = _kernel_views(q, k, v)
+    out, lse = _FORWARD(kq, kk, kv, **_static(cfg))
+    return _torch_view(out, q, folded), lse.view(q.shape[:3])
 
 
 def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in (B, H, T, D) views of the inputs' dtype, from the forward's out and lse."""
-    do = _blhd(dout.to(q.dtype))
-    delta = (out.float() * dout.float()).sum(-1).contiguous()  # rowsum(dO * O): (B, Hq, L)
-    lse_log2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E).contiguous()
-    accum = torch.zeros(do.shape, dtype=torch.float32, device=q.device)
-    dq, dk, dv = _BACKWARD(_blhd(q), _blhd(k), _blhd(v), do, lse_log2, delta, accum, **_static(cfg))
-    return dq.to(q.dtype).transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    """(dq, dk, dv) in (B, H, T, D) shapes of the inputs' dtype, from the forward's out and lse."""
+    dout = dout.to(q.dtype)
+    (kq, kk, kv, kdo), folded = _kernel_views(q, k, v, dout)
+    delta = (out.float() * dout.float()).sum(-1)  # rowsum(dO * O): (B, Hq, L)
+    lse_log2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E)
+    rows = kq.shape[:3]  # the kernels' (batch, heads, T) order of the row vectors
+    delta, lse_log2 = (x.reshape(rows[0], rows[2], rows[1]) for x in (delta, lse_log2))
+    accum = torch.zeros(kq.shape, dtype=torch.float32, device=q.device)
+    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_static(cfg))
+    return _torch_view(dq.to(q.dtype), q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
 
 
 class _HopperFunction(torch.autograd.Function):
