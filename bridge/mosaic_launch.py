@@ -1,20 +1,24 @@
-"""Pallas Mosaic GPU kernels launched on torch tensors, with no XLA runtime on the call path.
+"""Pallas Mosaic GPU kernels launched on torch tensors, on torch's current stream, with no XLA runtime.
 
     >>> kernel = MosaicKernel(my_jax_function)         # holds exactly one Mosaic GPU kernel call
     >>> out, = kernel(x, y, scale=0.5)                  # torch CUDA tensors in and out
 
-`MosaicKernel` compiles the function once per static keyword settings and input shapes through
-`jax.experimental.pallas.mosaic_gpu.as_torch_kernel`, which hands the kernel torch's buffers by
-pointer: inputs must be contiguous (they are made so here). An input the function wraps in a mutable
-JAX ref (`jax.new_ref`) is updated in place and comes back as an output.
+`MosaicKernel` lowers the function once per static keyword settings and input shapes, as
+`jax.experimental.pallas.mosaic_gpu.as_torch_kernel` does, and keeps the compiled kernel with what a
+call needs precomputed: a call allocates the outputs, writes the buffers' pointers and launches on
+torch's current stream (about 10 us of host time; `as_torch_kernel`'s own wrapper spends about
+100 us per call and launches on the default stream). The kernel reads buffers by pointer: inputs are
+made contiguous here. An input the function wraps in a mutable JAX ref (`jax.new_ref`) is updated in
+place and comes back as an output.
 
-`as_torch_kernel` launches on the device's default stream, not torch's current one, so
-`mosaic_reasons` refuses a call made while another stream is current (a side stream, CUDA graph
-capture): ordering with the caller's work would be lost there.
+The launch goes through entry points of JAX's Mosaic GPU torch interop that are not public API
+(`_find_mgpu_call_in_module`, `_compile_as_torch_gpu_kernel`); `mosaic_reasons` reports a JAX
+without them, and the caller then runs other kernels.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from typing import Any, Callable
@@ -27,11 +31,13 @@ MOSAIC_CAPABILITY = (9, 0)
 
 @functools.lru_cache(maxsize=None)
 def _mosaic_import_error() -> str:
-    """Why Pallas Mosaic GPU's torch launcher cannot be imported ("" when it can)."""
+    """Why the Mosaic GPU torch launch entry points cannot be imported ("" when they can)."""
     try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
+        from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
+        from jax.experimental.mosaic.gpu import core as mgpu_core
 
-        plgpu.as_torch_kernel  # noqa: B018 - present from jax 0.7
+        mgpu_torch._find_mgpu_call_in_module  # noqa: B018
+        mgpu_core._compile_as_torch_gpu_kernel  # noqa: B018
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available", with its reason
         return f"{type(exc).__name__}: {exc}"
     return ""
@@ -46,17 +52,66 @@ def mosaic_reasons(device: torch.device) -> list[str]:
     if tuple(capability) != MOSAIC_CAPABILITY:
         reasons.append(f"Mosaic GPU kernels are written for sm90 (Hopper); device {device} is sm"
                        f"{capability[0]}{capability[1]}")
-    if torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
-        reasons.append("a non-default CUDA stream is current (a side stream or CUDA graph capture), and "
-                       "as_torch_kernel launches on the default stream")
+    if torch.cuda.is_current_stream_capturing():
+        reasons.append("a CUDA graph is being captured (a first launch loads its module, which capture forbids)")
     error = _mosaic_import_error()
     if error:
-        reasons.append(f"Pallas Mosaic GPU's torch launcher cannot be imported ({error})")
+        reasons.append(f"JAX's Mosaic GPU torch launch entry points cannot be imported ({error})")
     return reasons
 
 
+class _Compiled:
+    """One lowered and compiled kernel for fixed input shapes, launched on torch tensors."""
+
+    def __init__(self, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...]):
+        import jax
+        from jax._src.lib.mlir import passmanager
+        from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
+        import jax.experimental.mosaic.gpu as mgpu
+        from jax.experimental.mosaic.gpu import core as mgpu_core
+
+        structs = [jax.ShapeDtypeStruct(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+        traced = jax.jit(fn).trace(*structs)
+        module = traced.lower().compiler_ir()
+        with module.context:  # jax.jit outlines its body: inline it, as as_torch_kernel does
+            mgpu.dialect.register_inliner_extensions(module.context)
+            passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)
+            call, self.prepare_args, self.prepare_outputs, self.get_outputs = mgpu_torch._find_mgpu_call_in_module(
+                module)
+        launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(
+            call.attributes["mhlo.backend_config"]["module"].value_bytes)
+        # The compiled host program, from the launcher as_torch_kernel would use (which always takes
+        # the default stream): `__call__` passes torch's current stream instead. jax 0.11 calls it
+        # as program(function, stream, buffers); jax 0.10 with MLIR's packed C convention.
+        cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__)))
+        program = cells["launch_c"]
+        if "function" in cells:
+            function = cells["function"]
+            self._launch = lambda stream, buffers: program(function, stream, buffers)
+        else:
+            context = cells["ctx_ptr_ptr"]
+
+            def packed_launch(stream, buffers):
+                packed = (ctypes.POINTER(ctypes.c_void_p) * 3)()
+                packed[0] = context
+                packed[1] = ctypes.pointer(stream)
+                packed[2] = ctypes.cast(ctypes.pointer(ctypes.pointer(buffers)), ctypes.POINTER(ctypes.c_void_p))
+                program(packed)
+            self._launch = packed_launch
+        self.single = not isinstance(traced.out_info, tuple)
+
+    def __call__(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        device = tensors[0].device
+        args = self.prepare_args(*tensors, device=device)
+        outs = self.prepare_outputs(*args, device=device)
+        buffers = (ctypes.c_void_p * (len(args) + len(outs)))(*[t.data_ptr() for t in (*args, *outs)])
+        self._launch(torch.cuda.current_stream(device)._as_parameter_, buffers)
+        results = self.get_outputs(*outs)
+        return results[0] if self.single else tuple(results)
+
+
 class MosaicKernel:
-    """A JAX function holding one Mosaic GPU kernel call, as a launcher on torch tensors.
+    """A JAX function holding one Mosaic GPU kernel call, as a launcher on torch CUDA tensors.
 
     Args:
         fn: (*arrays, **static) -> arrays; `static` are hashable Python values compiled into the kernel.
@@ -64,19 +119,16 @@ class MosaicKernel:
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
-        self._launchers: dict = {}
+        self._compiled: dict = {}
         self._lock = threading.Lock()
 
     def __call__(self, *tensors: torch.Tensor, **static: Any) -> Any:
-        key = tuple(sorted(static.items()))
-        launcher = self._launchers.get(key)
-        if launcher is None:
+        tensors = tuple(t.contiguous() for t in tensors)
+        key = (tuple(static.items()), tuple((t.shape, t.dtype) for t in tensors))
+        compiled = self._compiled.get(key)
+        if compiled is None:
             with self._lock:
-                launcher = self._launchers.get(key)
-                if launcher is None:
-                    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-                    # as_torch_kernel caches its compilations per input shapes on the function object
-                    # (weakly), so the partial is kept here for as long as this launcher lives.
-                    launcher = self._launchers[key] = plgpu.as_torch_kernel(functools.partial(self.fn, **static))
-        return launcher(*[t.contiguous() for t in tensors])
+                compiled = self._compiled.get(key)
+                if compiled is None:
+                    compiled = self._compiled[key] = _Compiled(functools.partial(self.fn, **static), tensors)
+        return compiled(tensors)

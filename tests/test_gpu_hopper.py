@@ -23,18 +23,18 @@ def _hopper_gpu() -> bool:
 def test_reasons_name_what_keeps_a_call_off_the_hopper_kernels():
     cfg = FlashConfig(scale=0.1, causal=True)
     meta = dict(device="meta")
-    q = torch.empty(2, 16, 2048, 128, dtype=torch.bfloat16, **meta)
-    k = torch.empty(2, 4, 2048, 128, dtype=torch.bfloat16, **meta)
+    q = torch.empty(2, 16, 4096, 128, dtype=torch.bfloat16, **meta)
+    k = torch.empty(2, 4, 4096, 128, dtype=torch.bfloat16, **meta)
     cases = [
         ((q.float(), k.float(), k.float(), cfg), "dtype torch.float32"),
         ((q[..., :64], k[..., :64], k[..., :64], cfg), "head dims 64/64"),
         ((q, k, k, FlashConfig(scale=0.1, causal=True, window=(128, 0))), "window, soft cap"),
-        ((q[:, :, :2000], k, k, cfg), "lengths L=2000, S=2048"),
-        ((q[:1, :, :256], k[:1, :, :256], k[:1, :, :256], cfg), "work B*Hq*L*S"),
+        ((q[:, :, :2000], k, k, cfg), "lengths L=2000, S=4096"),
+        ((q[:1, :, :2048], k[:1, :, :2048], k[:1, :, :2048], cfg), "work B*Hq*L*S=67108864 below 536870912"),
         ((q, k, k, cfg), "Mosaic GPU kernels run on CUDA devices (device meta)"),
     ]
     for args, want in cases:
-        reasons = hopper_flash.hopper_reasons(*args)
+        reasons = hopper_flash.hopper_reasons(*args, grad=True)
         assert any(want in r for r in reasons), (want, reasons)
 
 
@@ -43,7 +43,7 @@ def test_deterministic_mode_keeps_calls_off_the_hopper_kernels():
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        reasons = hopper_flash.hopper_reasons(q, q, q, FlashConfig(scale=0.1))
+        reasons = hopper_flash.hopper_reasons(q, q, q, FlashConfig(scale=0.1), grad=False)
     finally:
         torch.use_deterministic_algorithms(before)
     assert any("deterministic" in r for r in reasons)
@@ -62,10 +62,10 @@ def _math(q, k, v, causal, dtype, gqa):
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b, hq, hk, l, s, causal, memory", [
-    (2, 16, 16, 2048, 2048, True, "BHLD"),  # (B, H, L, D) memory: passed folded, no copy
-    (2, 16, 16, 2048, 2048, True, "BLHD"),  # (B, L, H, D) memory seen transposed: passed as is
-    (4, 16, 4, 1024, 2048, True, "BHLD"),   # GQA (copied to (B, L, H, D)), L < S: causal top-left
-    (2, 16, 2, 2048, 2048, False, "BLHD"),
+    (2, 16, 16, 4096, 4096, True, "BHLD"),  # (B, H, L, D) memory: passed folded, no copy
+    (2, 16, 16, 4096, 4096, True, "BLHD"),  # (B, L, H, D) memory seen transposed: passed as is
+    (4, 16, 4, 2048, 4096, True, "BHLD"),   # GQA (copied to (B, L, H, D)), L < S: causal top-left
+    (2, 16, 2, 4096, 4096, False, "BLHD"),
 ])
 def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
     taken = []
@@ -93,3 +93,17 @@ def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, ca
         torch_err = (theirs.float() - ref).abs().max().item()
         assert err <= 2 * torch_err + 1e-3 * max(1.0, ref.abs().max().item()), (name, err, torch_err)
         assert math.isfinite(err)
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+def test_kernels_run_on_the_current_stream():
+    """Inputs made on a side stream and used at once: a launch on another stream would race them."""
+    cfg = FlashConfig(scale=128 ** -0.5, causal=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keeps the side stream busy, so a race would read unwritten inputs
+        q, k, v = (torch.randn(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, _ = hopper_flash.hopper_forward(q, k, v, cfg)
+    side.synchronize()
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert (out.float() - want).abs().max().item() < 3e-2

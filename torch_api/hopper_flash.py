@@ -2,9 +2,10 @@
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
 sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, GQA, no bias,
-mask, dropout, soft cap, window or sinks, lengths in whole tiles, eager on the default stream, and
-work of at least `HOPPER_MIN_WORK` (below it the Triton kernels measured as fast). On an H100 they
-measured faster than the Triton kernels at every such shape of BENCHMARKS.md ("Hopper kernels").
+mask, dropout, soft cap, window or sinks, lengths in whole tiles, eager (not compiled or captured), and
+work of at least `HOPPER_MIN_WORK` (forward only, or with gradients), below which the Triton kernels
+measured faster (H100, BENCHMARKS.md "Hopper kernels"). Automatic launch (`launch.native_decision`)
+is unchanged: calls it sends to JAX's cuDNN stay there.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
 run; `torch.use_deterministic_algorithms(True)` keeps such calls on the Triton kernels.
@@ -14,24 +15,27 @@ Shape legend: B batch, Hq / Hk query / KV heads, L query length, S key length, D
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
 from ..jax_core import calls
 from ..jax_core.kernels.flash_plan import FlashConfig
 
-#: Fewest (query, key) pairs per (batch, head) times batch * heads for which the Hopper kernels run.
-HOPPER_MIN_WORK = 2 * 16 * 2048 * 2048
+#: Fewest (query, key) pairs per (batch, head) times batch * heads for which the Hopper kernels run,
+#: forward only and with gradients: below them the Triton kernels measured faster (H100, BENCHMARKS.md
+#: "Hopper kernels": forward 157 vs 202 us at (4, 16, 2048, 128) causal but 163 vs 124 us at
+#: (8, 16, 1024, 128); forward + backward 1536 vs 1574 us at (2, 16, 4096, 128), 1136 vs 818 us at
+#: (4, 16, 2048, 128)).
+HOPPER_MIN_WORK = dict(forward=4 * 16 * 2048 * 2048, train=2 * 16 * 4096 * 4096)
 _ROWS, _KEYS = 128, 128  # whole tiles of both kernels (`jax_core.calls.HOPPER_TILES`)
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
 
 
-def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig) -> list[str]:
-    """Why the Hopper kernels do not run this native flash call (empty when they do).
+def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> list[str]:
+    """Why the Hopper kernels do not run this native flash call (empty when they do); `grad`: whether
+    it needs gradients.
 
     q (B, Hq, L, D), k (B, Hk, S, D), v (B, Hk, S, Dv) as the native launcher takes them (no bias,
     mask, sinks or packing: the caller checks those)."""
@@ -47,8 +51,9 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
         reasons.append(f"lengths L={l}, S={s}: the Hopper kernels take multiples of {_ROWS}")
     if hq % hk:
         reasons.append(f"num_q_heads={hq} is not a multiple of num_kv_heads={hk}")
-    if b * hq * l * s < HOPPER_MIN_WORK:
-        reasons.append(f"work B*Hq*L*S={b * hq * l * s} below {HOPPER_MIN_WORK}: the Triton kernels are as fast")
+    least = HOPPER_MIN_WORK["train" if grad else "forward"]
+    if b * hq * l * s < least:
+        reasons.append(f"work B*Hq*L*S={b * hq * l * s} below {least}: the Triton kernels measured faster")
     if torch.are_deterministic_algorithms_enabled():
         reasons.append("deterministic algorithms are on, and the Hopper backward adds dQ in varying order")
     if not reasons:
@@ -113,11 +118,9 @@ class _HopperFunction(torch.autograd.Function):
         return (None, *hopper_backward(q, k, v, out, lse, dout, ctx.cfg))
 
 
-def hopper_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig,
-                 grad: Optional[bool] = None) -> torch.Tensor:
-    """Attention out (B, Hq, L, D) by the Hopper kernels; differentiable in q, k, v (eager autograd)."""
-    if grad is None:
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def hopper_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> torch.Tensor:
+    """Attention out (B, Hq, L, D) by the Hopper kernels; with `grad`, differentiable in q, k, v (eager
+    autograd)."""
     if grad:
         return _HopperFunction.apply(cfg, q, k, v)
     return hopper_forward(q, k, v, cfg)[0]

@@ -446,15 +446,15 @@ class NativeFlash(PreparedTritonCall):
         if (bias is None and mask is None and seed is None and not traced() and forward_ad._current_level < 0
                 and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
                 and not recorded()):
-            if q.is_cuda and q.shape[-1] == 128 and not hopper_reasons(q, k, v, self.cfg):
-                return hopper_flash(q, k, v, self.cfg)
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            if q.is_cuda and q.shape[-1] == 128 and not hopper_reasons(q, k, v, self.cfg, grad):
+                return hopper_flash(q, k, v, self.cfg, grad)
             kernel = _entries(q, k)["fwd"]
             if self._kernel is not kernel:
                 self._launches = _launches(self.spec, q, k, v, None, None, None, None)
                 self._kernel = kernel
                 self._backward_launches = {}
                 self._programs = {}
-            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             program = self._programs.get("train" if grad else "forward")
             if program is not None and program >= 0 and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
                 if grad:
