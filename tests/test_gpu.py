@@ -127,5 +127,6 @@ def test_jax_does_not_preallocate_gpu_memory():
         "print(free / total)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    # -P: the installed jaxattn, not the checkout's jaxattn/ folder (which lacks the layers) from the cwd.
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, check=True)
     assert float(out.stdout.strip().splitlines()[-1]) > 0.5, out.stdout

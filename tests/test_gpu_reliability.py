@@ -51,7 +51,6 @@ needs_triton = pytest.mark.skipif(not HAS_JAX_TRITON, reason="needs jax-triton (
 needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA devices")
 
 DEV = "cuda"
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLOOR = 1e-3  # added to 2x torch's bf16 error
 STRESS_ITERS = int(os.environ.get("JAXATTN_STRESS_ITERS", "1000"))
@@ -321,10 +320,10 @@ def _text(x):
                                   pytest.param("decode", marks=needs_triton)])
 def test_cuda_graph_capture(impl):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
     try:
-        run = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, impl], env=env, capture_output=True,
+        # -P: the installed jaxattn, not the checkout's jaxattn/ folder (which lacks the layers) from the cwd.
+        run = subprocess.run([sys.executable, "-P", "-c", _GRAPH_SCRIPT, impl], env=env, capture_output=True,
                              text=True, timeout=GRAPH_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         out = _text(e.stdout)
