@@ -6,7 +6,7 @@ same drop-in on the Triton kernels and torch's own SDPA backends (cuDNN, flash),
 Rows, causal bf16 at head dim 128 unless noted, each timed forward only (no grad) and forward +
 backward (autograd.grad of the output against a fixed cotangent):
     * "jaxattn hopper": `scaled_dot_product_attention` under `sdpa_launcher("native")`, with the Hopper
-      kernels at every shape `torch_api.hopper_flash.hopper_reasons` accepts (its work thresholds,
+      kernels at every shape `torch_api.hopper_flash.hopper_reasons` accepts (its length thresholds,
       which these rows set, off);
     * "jaxattn triton": the same call with the Hopper kernels switched off (the Triton kernels);
     * "torch cudnn" / "torch flash": F.scaled_dot_product_attention under `sdpa_kernel`.
@@ -44,14 +44,14 @@ def flops(b, h, l, d, causal):
 
 def drop_in(hopper: bool):
     def run(q, k, v, causal):
-        saved = dict(hopper_flash.HOPPER_MIN_WORK)
-        # "hopper": every eligible shape (no work threshold); "triton": none.
-        hopper_flash.HOPPER_MIN_WORK.update(forward=0 if hopper else math.inf, train=0 if hopper else math.inf)
+        saved = dict(hopper_flash.HOPPER_MIN_LENGTH)
+        # "hopper": every eligible shape (no length threshold); "triton": none.
+        hopper_flash.HOPPER_MIN_LENGTH.update(forward=0 if hopper else math.inf, train=0 if hopper else math.inf)
         try:
             with sdpa_launcher("native"):
                 return scaled_dot_product_attention(q, k, v, is_causal=causal)
         finally:
-            hopper_flash.HOPPER_MIN_WORK.update(saved)
+            hopper_flash.HOPPER_MIN_LENGTH.update(saved)
     return run
 
 

@@ -3,8 +3,8 @@
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
 sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, GQA, no bias,
 mask, dropout, soft cap, window or sinks, lengths in whole tiles, eager (not compiled or captured), and
-work of at least `HOPPER_MIN_WORK` (forward only, or with gradients), below which the Triton kernels
-measured faster (H100, BENCHMARKS.md "Hopper kernels"). Automatic launch (`launch.native_decision`)
+query and key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients), below which
+the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels"). Automatic launch (`launch.native_decision`)
 is unchanged: calls it sends to JAX's cuDNN stay there.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
@@ -21,12 +21,12 @@ from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
 from ..jax_core import calls
 from ..jax_core.kernels.flash_plan import FlashConfig
 
-#: Fewest (query, key) pairs per (batch, head) times batch * heads for which the Hopper kernels run,
-#: forward only and with gradients: below them the Triton kernels measured faster (H100, BENCHMARKS.md
-#: "Hopper kernels": forward 157 vs 202 us at (4, 16, 2048, 128) causal but 163 vs 124 us at
-#: (8, 16, 1024, 128); forward + backward 1536 vs 1574 us at (2, 16, 4096, 128), 1136 vs 818 us at
-#: (4, 16, 2048, 128)).
-HOPPER_MIN_WORK = dict(forward=4 * 16 * 2048 * 2048, train=2 * 16 * 4096 * 4096)
+#: Shortest query and key lengths (the smaller of L and S) at which the Hopper kernels run, forward
+#: only and with gradients. `jaxattn bench --full` on an H100 (BENCHMARKS.md "Hopper kernels"), bf16
+#: causal, head dim 128, Hopper against Triton: forward 537 vs 682 us at (4, 16, 4096), 421 vs 366 us
+#: at (8, 16, 2048); forward + backward 4764 vs 4910 us at (2, 16, 8192), 3325 vs 2653 us at
+#: (4, 16, 4096). The per-program walk of the Hopper backward pays off only over long sequences.
+HOPPER_MIN_LENGTH = dict(forward=4096, train=8192)
 _ROWS, _KEYS = 128, 128  # whole tiles of both kernels (`jax_core.calls.HOPPER_TILES`)
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
@@ -40,7 +40,7 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     q (B, Hq, L, D), k (B, Hk, S, D), v (B, Hk, S, Dv) as the native launcher takes them (no bias,
     mask, sinks or packing: the caller checks those)."""
     reasons = []
-    (b, hq, l, d), (hk, s), dv = q.shape, k.shape[1:3], v.shape[-1]
+    (_, hq, l, d), (hk, s), dv = q.shape, k.shape[1:3], v.shape[-1]
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         reasons.append(f"dtype {q.dtype}: the Hopper kernels take bfloat16 or float16")
     if d != 128 or dv != 128:
@@ -51,9 +51,10 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
         reasons.append(f"lengths L={l}, S={s}: the Hopper kernels take multiples of {_ROWS}")
     if hq % hk:
         reasons.append(f"num_q_heads={hq} is not a multiple of num_kv_heads={hk}")
-    least = HOPPER_MIN_WORK["train" if grad else "forward"]
-    if b * hq * l * s < least:
-        reasons.append(f"work B*Hq*L*S={b * hq * l * s} below {least}: the Triton kernels measured faster")
+    least = HOPPER_MIN_LENGTH["train" if grad else "forward"]
+    if min(l, s) < least:
+        reasons.append(f"lengths L={l}, S={s} below {least}{' with gradients' if grad else ''}: the Triton kernels "
+                       "measured faster")
     if torch.are_deterministic_algorithms_enabled():
         reasons.append("deterministic algorithms are on, and the Hopper backward adds dQ in varying order")
     if not reasons:
