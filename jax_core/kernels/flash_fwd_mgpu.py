@@ -1,7 +1,8 @@
 """Flash-attention forward for Hopper (sm90) in Pallas Mosaic GPU, FlashAttention-3 style.
 
-Not wired into dispatch yet: `benchmarks/flash_mgpu_gpu.py` measures it. Imports only JAX and uses
-Pallas Mosaic GPU APIs present, unchanged, from jax 0.10.2 to 0.11.
+The torch drop-in runs it on Hopper for the calls `torch_api.hopper_flash` accepts, with the backward
+of `flash_bwd_mgpu.py`. Imports only JAX and uses Pallas Mosaic GPU APIs present from jax 0.10.2 to
+0.11.
 
 Arrays, (batch, length, heads, head dim) as Mosaic GPU's TMA wants them:
     q (B, L, Hq, D), k and v (B, S, Hk, D), bf16 or fp16, D 64 or 128, any L, S >= 1; query head h
