@@ -18,8 +18,10 @@ query blocks of every query head of its group that see them:
       per compute warpgroup) say both have read it.
     * warpgroup w in {0, 1} (compute) keeps its block_kv keys' K, V and its dK, dV accumulators for
       the whole walk. Per query block, with wgmma: S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE),
-      dP^T = V dO^T, dV += P^T dO, dS^T = scale P^T (dP^T - delta), dK += dS^T Q, and the partial
-      dQ = dS K from dS^T stored to shared memory.
+      dP^T = V dO^T, dV += P^T dO, dS^T = scale P^T (dP^T - delta), dK += dS^T Q, and a share of
+      dQ = dS K read from dS^T in shared memory. At head dim 128 the two warpgroups split dQ's
+      columns (64 each, over both warpgroups' keys: one rendezvous per block, half the registers
+      and half the adds); at head dim 64 each computes dQ over its own keys.
     * dQ: every program adds its partial dQ into dq_accum by a TMA reduce-add (float32, in L2).
       The sum is therefore not bit-reproducible run to run (the order of the adds varies); the
       Triton kernels remain the deterministic backward.
