@@ -93,7 +93,7 @@ class FlashAttn(AttentionImpl):
 
     def compute(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
         if call.backend in ("cuda", "rocm"):
-            # The same Triton kernels on ROCm (untested there); PTX's hardware tanh is NVIDIA-only.
+            # The same Triton kernels on ROCm (untested there); `flash_config` keeps the hardware tanh to CUDA.
             return self._forward_triton(call, arrays)
         if call.backend == "tpu":
             return self._forward_pallas(call, arrays)

@@ -181,6 +181,9 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
             k_shape are then (1, H, total, D).
         alibi: the call has ALiBi slopes.
         Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
+
+    The options become one `AttentionCall` (`_call`), whose `flash_config` gives the settings: the
+    ones the JAX launch of the same call gives the kernels.
     """
     call = _call(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, dropout_p=dropout_p,
                  lse=lse, scale=scale, varlen=varlen, device=device)
