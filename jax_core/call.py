@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 import jax
 import jax.numpy as jnp
 
+from .kernels.flash_plan import FlashConfig
 from .metadata import AttentionMetadata
 from .visibility import CausalAlignment, Visibility
 
@@ -84,6 +85,34 @@ class AttentionCall:
 
     def scale_for(self, head_dim: int) -> float:
         return float(self.scale) if self.scale is not None else head_dim**-0.5
+
+    def flash_config(self, q_len, kv_len, head_dim, *, packed: bool = False) -> FlashConfig:
+        """The flash kernels' settings for this call on L = q_len queries, S = kv_len keys and head
+        dim D = head_dim: what both launchers (jax-triton and torch) give the kernels.
+
+        Args:
+            packed: the call packs sequences back to back (cu_seqlens). The kernels' grids then
+                cover `max_seqlen`, or the packed lengths (q_len, kv_len) when it is None, and a
+                bottom-right alignment applies per sequence.
+
+        The dropout probability is the call's: a caller without the randomness for it (no dropout
+        key) passes a call without dropout. The hardware tanh of the soft cap is PTX, so NVIDIA
+        only (backend "cuda"; the kernels use it on 16-bit inputs only).
+        """
+        varlen = None
+        if packed:
+            bounds = self.max_seqlen if self.max_seqlen is not None else (q_len, kv_len)
+            varlen = (int(bounds[0]), int(bounds[1]))
+        cap = self.logits_soft_cap
+        return FlashConfig(
+            scale=self.scale_for(head_dim),
+            **self.visibility.flash_settings(q_len, kv_len, varlen=packed),
+            softcap=None if cap is None else float(cap),
+            layout=self.layout,
+            dropout_p=float(self.dropout_prob),
+            varlen=varlen,
+            fast_tanh=self.backend == "cuda",
+        )
 
     @property
     def seq_axis(self) -> int:

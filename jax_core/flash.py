@@ -93,38 +93,28 @@ class FlashAttn(AttentionImpl):
 
     def compute(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
         if call.backend in ("cuda", "rocm"):
-            # The same Triton kernels on ROCm (untested there); PTX's hardware tanh is NVIDIA-only.
-            return self._forward_triton(call, arrays, fast_tanh=call.backend == "cuda")
+            # The same Triton kernels on ROCm (untested there); `flash_config` keeps the hardware tanh to CUDA.
+            return self._forward_triton(call, arrays)
         if call.backend == "tpu":
             return self._forward_pallas(call, arrays)
         raise NotImplementedError("flash has no platform-independent kernel; it runs on GPU (Triton) and TPU (Pallas).")
 
-    def _forward_triton(self, call: AttentionCall, arrays: CallArrays, *, fast_tanh: bool) -> AttentionOutput:
-        """The Triton kernels through jax-triton.
+    def _forward_triton(self, call: AttentionCall, arrays: CallArrays) -> AttentionOutput:
+        """The Triton kernels through jax-triton, with the settings of `call.flash_config`.
 
-        Dropout draws its Philox seed from the dropout key; varlen grids cover `call.max_seqlen`
-        (or the packed lengths when None); `fast_tanh` selects the hardware tanh for 16-bit soft caps.
+        Dropout draws its Philox seed from the dropout key (no key: no dropout); varlen grids cover
+        `call.max_seqlen` (or the packed lengths when None).
         """
-        from .kernels.flash_jax_triton import FlashConfig, FlashExtras, flash_attention_triton
+        from .kernels.flash_jax_triton import FlashExtras, flash_attention_triton
 
         dtype = jnp.dtype(self.metadata.runtime_dtype) if self.metadata.runtime_dtype else arrays.query.dtype
         query, key, value = (x.astype(dtype) for x in arrays.qkv)
         l, s = query.shape[call.seq_axis], key.shape[call.seq_axis]
-        varlen = None
-        if arrays.cu_seqlens is not None:
-            varlen = (int(call.max_seqlen[0]), int(call.max_seqlen[1])) if call.max_seqlen is not None else (l, s)
         seed = None
         if arrays.dropout_rng is not None and call.dropout_prob > 0:
             seed = jax.lax.bitcast_convert_type(jax.random.bits(arrays.dropout_rng, (2,), jnp.uint32), jnp.int32)
-        cfg = FlashConfig(
-            scale=call.scale_for(query.shape[-1]),
-            **call.visibility.flash_settings(l, s, varlen=varlen is not None),
-            softcap=call.logits_soft_cap,
-            layout=call.layout,
-            dropout_p=float(call.dropout_prob) if seed is not None else 0.0,
-            varlen=varlen,
-            fast_tanh=fast_tanh,
-        )
+        settings = call if seed is not None else call.replace(dropout_prob=0.0)
+        cfg = settings.flash_config(l, s, query.shape[-1], packed=arrays.cu_seqlens is not None)
         extras = FlashExtras(
             segment_ids=None if arrays.segment_ids is None else tuple(arrays.segment_ids),
             cu_seqlens=None if arrays.cu_seqlens is None else tuple(arrays.cu_seqlens),

@@ -109,7 +109,12 @@ def _partial_dtype(dtype, cfg: RingConfig) -> jnp.dtype:
 
 
 def _triton_config(band: Band, cfg: RingConfig):
-    """A FlashConfig whose causal / window / diagonal offset express `band` (see `blockwise.Band`)."""
+    """A FlashConfig whose causal / window / diagonal offset express `band` (see `blockwise.Band`).
+
+    Not `AttentionCall.flash_config`: a piece's band comes from global positions in the ring's
+    layout (its offset is neither 0 nor S - L of the piece), so no call's visibility over the
+    piece's lengths expresses it; scale, soft cap and hardware tanh are the ring's own settings.
+    """
     from .kernels.flash_jax_triton import FlashConfig
 
     causal, diag, window = band_flash_settings(band)

@@ -24,7 +24,7 @@ from typing import Iterator, Literal, Optional
 import torch
 
 from ..bridge.triton_launch import can_launch, interpreted
-from ..jax_core import AttentionInputs, AttentionRegistry
+from ..jax_core import AttentionCall, AttentionInputs, AttentionRegistry
 from ..jax_core.flash import FlashAttn
 from ..jax_core.kernels.flash_plan import FlashConfig
 from ..jax_core.visibility import Visibility
@@ -181,7 +181,13 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
             k_shape are then (1, H, total, D).
         alibi: the call has ALiBi slopes.
         Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
+
+    The options become one `AttentionCall` (`_call`), whose `flash_config` gives the settings: the
+    ones the JAX launch of the same call gives the kernels.
     """
+    call = _call(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, dropout_p=dropout_p,
+                 lse=lse, scale=scale, varlen=varlen, device=device)
+    present = dict(sinks=sinks, mask=mask, segments=segments, varlen=varlen is not None, alibi=alibi)
     symbolic = False
     sizes = (*q_shape, *k_shape, value_head_dim)
     if not all(type(n) is int for n in sizes):
@@ -192,19 +198,15 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
         symbolic = any(isinstance(n, torch.SymInt) for n in (*q_shape, *k_shape, value_head_dim))
     l, s = q_shape[2], k_shape[2]
     # A decoding call's settings do not depend on its key length (a new one each step of a
-    # growing cache): memoized without it.
+    # growing cache) unless it is aligned bottom-right (diagonal offset S - L): memoized without it.
     memo = None
-    if (not symbolic and l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments
-            and varlen is None and not alibi and not torch._C._are_functorch_transforms_active()):
+    if (not symbolic and l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and call.causal_alignment == "top_left"
+            and not segments and varlen is None and not alibi and not torch._C._are_functorch_transforms_active()):
         memo = (tuple(q_shape), tuple(k_shape[:2]), k_shape[3], value_head_dim, dtype, device, choice,
-                current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, causal, window, softcap, sinks, mask,
-                dropout_p, lse, scale)
+                current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, call, sinks, mask)
         if memo in _DECODE_CONFIGS:
             return _DECODE_CONFIGS[memo]
-    config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, causal=causal,
-                            bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks, mask=mask,
-                            dropout_p=dropout_p, lse=lse, scale=scale, segments=segments, varlen=varlen,
-                            alibi=alibi)
+    config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, call, **present)
     if memo is not None:
         if len(_DECODE_CONFIGS) >= 1024:
             _DECODE_CONFIGS.clear()
@@ -214,25 +216,37 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
 
 _DECODE_CONFIGS: dict = {}
 
+#: The jax_core backend of a torch device the native launcher runs on (CUDA, or CPU interpreted).
+_DEVICE_BACKENDS = {"cuda": "cuda", "cpu": "cpu"}
 
-def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, *, causal, bottom_right, window, softcap,
-                   sinks, mask, dropout_p, lse, scale, segments, varlen, alibi=False) -> Optional[FlashConfig]:
-    l, s = q_shape[2], k_shape[2]
-    features = call_features(l, s, causal=causal, bottom_right=bottom_right, window=window, softcap=softcap,
-                             sinks=sinks, mask=mask, dropout_p=dropout_p, lse=lse, segments=segments, varlen=varlen,
-                             alibi=alibi)
-    if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
-        return None
-    return FlashConfig(
-        scale=float(scale) if scale is not None else q_shape[3] ** -0.5,
-        **_rule(causal, bottom_right, window).flash_settings(l, s, varlen=varlen is not None),
-        softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
-        varlen=None if varlen is None else (int(varlen[0]), int(varlen[1])), fast_tanh=device.type == "cuda",
+
+def _call(*, causal, bottom_right, window, softcap, dropout_p, lse, scale, varlen,
+          device: Optional[torch.device] = None) -> AttentionCall:
+    """The jax_core call of a torch call with these options (see `native_config`): (B, H, T, D)
+    tensors ("BHTD"), the backend of `device` (None: no device, for features only).
+
+    Sizes and numbers stay as given (a symbolic max_seqlen or scale is not specialized here);
+    `AttentionCall.flash_config` turns them into the kernels' ints and floats.
+    """
+    return AttentionCall(
+        visibility=Visibility.of(bool(causal), "bottom_right" if bottom_right else "top_left", window),
+        logits_soft_cap=softcap,
+        scale=scale,
+        dropout_prob=float(dropout_p),
+        return_lse=bool(lse),
+        layout="BHTD",
+        max_seqlen=None if varlen is None else tuple(varlen),
+        backend=None if device is None else _DEVICE_BACKENDS.get(device.type),
     )
 
 
-def _rule(causal, bottom_right, window) -> Visibility:
-    return Visibility.of(bool(causal), "bottom_right" if bottom_right else "top_left", window)
+def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, call: AttentionCall, *, sinks, mask,
+                   segments, varlen: bool, alibi) -> Optional[FlashConfig]:
+    l, s = q_shape[2], k_shape[2]
+    features = _features(call, l, s, sinks=sinks, mask=mask, segments=segments, varlen=varlen, alibi=alibi)
+    if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
+        return None
+    return call.flash_config(l, s, q_shape[3], packed=varlen)
 
 
 def call_features(l: int, s: int, *, causal: bool = False, bottom_right: bool = False,
@@ -240,12 +254,20 @@ def call_features(l: int, s: int, *, causal: bool = False, bottom_right: bool = 
                   mask: Optional[torch.dtype] = None, dropout_p: float = 0.0, lse: bool = False,
                   segments: bool = False, varlen: Optional[tuple[int, int]] = None, alibi: bool = False) -> set:
     """jax_core's feature names of a (L queries, S keys) call with these options (see `native_config`)."""
-    features = set(_rule(causal, bottom_right, window).features(l, s, varlen=varlen is not None))
+    call = _call(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, dropout_p=dropout_p,
+                 lse=lse, scale=None, varlen=varlen)
+    return _features(call, l, s, sinks=sinks, mask=mask, segments=segments, varlen=varlen is not None, alibi=alibi)
+
+
+def _features(call: AttentionCall, l, s, *, sinks: bool, mask: Optional[torch.dtype], segments: bool, varlen: bool,
+              alibi: bool) -> set:
+    """The features of `call` on L queries and S keys, with the arrays the flags say are present."""
+    features = set(call.visibility.features(l, s, varlen=varlen))
     if mask is not None:
         features.add("bool_mask" if mask == torch.bool else "bias")
-    for name, on in (("softcap", softcap is not None), ("sinks", sinks),
-                     ("dropout", dropout_p > 0), ("lse", lse), ("segment_ids", segments), ("varlen", varlen is not None),
-                     ("alibi", alibi)):
+    for name, on in (("softcap", call.logits_soft_cap is not None), ("sinks", sinks),
+                     ("dropout", call.dropout_prob > 0), ("lse", call.return_lse), ("segment_ids", segments),
+                     ("varlen", varlen), ("alibi", alibi)):
         if on:
             features.add(name)
     return features
