@@ -185,9 +185,6 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
     The options become one `AttentionCall` (`_call`), whose `flash_config` gives the settings: the
     ones the JAX launch of the same call gives the kernels.
     """
-    call = _call(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, dropout_p=dropout_p,
-                 lse=lse, scale=scale, varlen=varlen, device=device)
-    present = dict(sinks=sinks, mask=mask, segments=segments, varlen=varlen is not None, alibi=alibi)
     symbolic = False
     sizes = (*q_shape, *k_shape, value_head_dim)
     if not all(type(n) is int for n in sizes):
@@ -200,13 +197,16 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
     # A decoding call's settings do not depend on its key length (a new one each step of a
     # growing cache) unless it is aligned bottom-right (diagonal offset S - L): memoized without it.
     memo = None
-    if (not symbolic and l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and call.causal_alignment == "top_left"
-            and not segments and varlen is None and not alibi and not torch._C._are_functorch_transforms_active()):
+    if (not symbolic and l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments and varlen is None and not alibi and not torch._C._are_functorch_transforms_active()):
         memo = (tuple(q_shape), tuple(k_shape[:2]), k_shape[3], value_head_dim, dtype, device, choice,
-                current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, call, sinks, mask)
+                current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, causal, window, softcap, sinks, mask,
+                dropout_p, lse, scale)
         if memo in _DECODE_CONFIGS:
             return _DECODE_CONFIGS[memo]
-    config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, call, **present)
+    call = _call(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, dropout_p=dropout_p,
+                 lse=lse, scale=scale, varlen=varlen, device=device)
+    config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, call, sinks=sinks, mask=mask,
+                            segments=segments, varlen=varlen is not None, alibi=alibi)
     if memo is not None:
         if len(_DECODE_CONFIGS) >= 1024:
             _DECODE_CONFIGS.clear()
@@ -228,7 +228,15 @@ def _call(*, causal, bottom_right, window, softcap, dropout_p, lse, scale, varle
     Sizes and numbers stay as given (a symbolic max_seqlen or scale is not specialized here);
     `AttentionCall.flash_config` turns them into the kernels' ints and floats.
     """
-    return AttentionCall(
+    backend = None if device is None else _DEVICE_BACKENDS.get(device.type)
+    key = (causal, bottom_right, window, softcap, dropout_p, lse, scale, varlen, backend)
+    try:  # a decoding loop asks for the same options every step: build each call once
+        found = _CALLS.get(key)
+    except TypeError:  # unhashable options (symbolic sizes under torch.compile, a list): not kept
+        found = key = None
+    if found is not None:
+        return found
+    call = AttentionCall(
         visibility=Visibility.of(bool(causal), "bottom_right" if bottom_right else "top_left", window),
         logits_soft_cap=softcap,
         scale=scale,
@@ -236,8 +244,16 @@ def _call(*, causal, bottom_right, window, softcap, dropout_p, lse, scale, varle
         return_lse=bool(lse),
         layout="BHTD",
         max_seqlen=None if varlen is None else tuple(varlen),
-        backend=None if device is None else _DEVICE_BACKENDS.get(device.type),
+        backend=backend,
     )
+    if key is not None:
+        if len(_CALLS) >= 1024:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+_CALLS: dict = {}
 
 
 def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, call: AttentionCall, *, sinks, mask,
