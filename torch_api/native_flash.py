@@ -23,7 +23,7 @@ from ..bridge.triton_autograd import PreparedTritonCall, TritonOp, cached_hash, 
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
-from .hopper_flash import hopper_flash, hopper_reasons
+from .hopper_flash import HOPPER_MIN_LENGTH, hopper_flash, hopper_reasons
 
 try:
     from ..jax_core.kernels import flash_entries_triton as entries_triton
@@ -447,7 +447,9 @@ class NativeFlash(PreparedTritonCall):
                 and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
                 and not recorded()):
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            if q.is_cuda and q.shape[-1] == 128 and not hopper_reasons(q, k, v, self.cfg, grad):
+            # The cheap tests first: most calls (decoding, short prefills) stop at the lengths.
+            if (q.is_cuda and q.shape[-1] == 128 and min(q.shape[2], k.shape[2]) >= HOPPER_MIN_LENGTH["forward"]
+                    and not hopper_reasons(q, k, v, self.cfg, grad)):
                 return hopper_flash(q, k, v, self.cfg, grad)
             kernel = _entries(q, k)["fwd"]
             if self._kernel is not kernel:
