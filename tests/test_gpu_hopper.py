@@ -69,6 +69,7 @@ def _math(q, k, v, causal, dtype, gqa):
 ])
 def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 2048)  # shorter shapes, the same kernels
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 2048)
     taken = []
     real = native_flash.hopper_flash
     monkeypatch.setattr(native_flash, "hopper_flash", lambda *a, **kw: taken.append(1) or real(*a, **kw))
