@@ -24,16 +24,33 @@ OPS: dict[str, Op] = {}
 
 
 def registered(name: str) -> Op:
-    """The op registered under `name`.
+    """The op registered under `name`, or the vjp op `<base>.vjp<n>` of a registered op, made now.
 
     Raises:
         KeyError: none is (in a process that replays a compiled graph, the module defining the op
             must be imported first).
     """
-    try:
-        return OPS[name]
-    except KeyError:
+    found = OPS.get(name)
+    if found is None:
+        found = _derived(name)
+    if found is None:
         raise KeyError(
             f"jax_op {name!r} is not registered in this process; import the module that defines it before "
             "calling it (a compiled graph replayed from torch.compile's caches refers to ops by name)."
-        ) from None
+        )
+    return found
+
+
+def _derived(name: str):
+    """The vjp op named `name` (`<base>.vjp<n>`) of a registered op, or None. A process makes a vjp op
+    when it first runs that backward; a compiled backward replayed from torch.compile's caches names
+    it in a process that has not, so it is made here on demand (the same function, by construction)."""
+    base, sep, count = name.rpartition(".vjp")
+    if not sep or not base or not count.isdigit():
+        return None
+    parent = OPS.get(base) or _derived(base)
+    if parent is None:
+        return None
+    from .higher_order import vjp_op  # higher_order builds on this module
+
+    return vjp_op(parent, int(count))

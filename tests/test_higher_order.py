@@ -111,3 +111,26 @@ def test_jax_op_double_backward_through_the_custom_op():
     (gr,) = torch.autograd.grad((torch.tanh(1.3 * xr) * xr).sum(), [xr], create_graph=True)
     (ggr,) = torch.autograd.grad(gr.sum(), [xr])
     torch.testing.assert_close(gg, ggr, rtol=1e-9, atol=1e-12)
+
+
+def test_vjp_ops_are_made_from_their_names():
+    """A compiled backward replayed from torch.compile's caches calls `<op>.vjp<n>` by name in a process
+    that never ran that backward: the registry makes it from the name, and it computes the gradients."""
+    from jaxattn.bridge.registry import OPS, registered
+
+    @jax_op(name="tests.higher_order.named_square")
+    def named_square(a, b):
+        return a * a * b
+
+    for name in ("tests.higher_order.named_square.vjp2", "tests.higher_order.named_square.vjp2.vjp3"):
+        OPS.pop(name, None)
+    vjp = registered("tests.higher_order.named_square.vjp2")
+    assert vjp.name == "tests.higher_order.named_square.vjp2" and vjp.num_outputs == 2
+    assert registered("tests.higher_order.named_square.vjp2.vjp3").num_outputs == 3  # the vjp of the vjp
+    x, w = _rand(2, 3, seed=21), _rand(2, 3, seed=22)
+    gx, gw = torch.autograd.grad(named_square(x, w).sum(), [x, w])
+    torch.testing.assert_close(gx, 2 * x * w)
+    torch.testing.assert_close(gw, x * x)
+    for bad in ("tests.higher_order.named_square.vjpx", "tests.higher_order.unknown.vjp2", ".vjp2"):
+        with pytest.raises(KeyError, match="is not registered in this process"):
+            registered(bad)
