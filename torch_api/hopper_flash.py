@@ -4,8 +4,8 @@ The native launcher runs them in place of the Triton kernels for the calls `hopp
 sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, GQA, no bias,
 mask, dropout, soft cap, window or sinks, lengths in whole tiles, eager (not compiled or captured), and
 query and key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients), below which
-the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels"). Automatic launch (`launch.native_decision`)
-is unchanged: calls it sends to JAX's cuDNN stay there.
+the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels"). Automatic launch
+(`launch.native_decision`) is unchanged: calls it sends to JAX's cuDNN stay there.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
 run; `torch.use_deterministic_algorithms(True)` keeps such calls on the Triton kernels.
