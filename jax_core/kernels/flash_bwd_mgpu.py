@@ -128,9 +128,22 @@ def _q_range(kv_start, diag_offset, causal, block_q, num_q_blocks, program_keys)
     return jnp.minimum(first, num_q_blocks), jnp.clip(full, first, num_q_blocks)
 
 
-def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg):
+class _Settings(NamedTuple):
+    """What the kernel compiles in (static): scale, mask rule, tiles, GQA group, query blocks."""
+    scale: float
+    causal: bool
+    diag_offset: int
+    block_q: int
+    block_kv: int
+    stages: int
+    group: int  # query heads per KV head
+    num_q_blocks: int
+    interpret: object  # interpret-mode parameters, or None on the GPU
+
+
+def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg: _Settings):
     d, dtype = q_ref.shape[-1], q_ref.dtype
-    block_q, block_kv, stages = cfg["block_q"], cfg["block_kv"], cfg["stages"]
+    block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     # 128-byte rows in 128-byte swizzled tiles, the layout TMA writes and wgmma reads without bank
     # conflicts (as in the forward).
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -157,32 +170,34 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
         ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     )
     refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref)
-    pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, **cfg), smem, barriers, collective_axes="wg")
+    pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, cfg), smem, barriers, collective_axes="wg")
 
 
-def _walk(kv_start, *, causal, diag_offset, block_q, block_kv, num_q_blocks, **_):
+def _walk(kv_start, cfg: _Settings):
     """(first query block, first unmasked one, query blocks per head) of the program at kv_start."""
-    first, full = _q_range(kv_start, diag_offset, causal, block_q, num_q_blocks, COMPUTE_WGS * block_kv)
-    return first, full, num_q_blocks - first
+    first, full = _q_range(kv_start, cfg.diag_offset, cfg.causal, cfg.block_q, cfg.num_q_blocks,
+                           COMPUTE_WGS * cfg.block_kv)
+    return first, full, cfg.num_q_blocks - first
 
 
-def _warpgroups(refs, bufs, bars, **cfg):
+def _warpgroups(refs, bufs, bars, cfg: _Settings):
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
-    kv_start = lax.axis_index("kv_blocks") * (COMPUTE_WGS * cfg["block_kv"])
-    walk = _walk(kv_start, **cfg)
+    kv_start = lax.axis_index("kv_blocks") * (COMPUTE_WGS * cfg.block_kv)
+    walk = _walk(kv_start, cfg)
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(232, action="increase")
-        _compute(refs, bufs, bars, batch=batch, kv_head=kv_head, wg=wg, kv_start=kv_start, walk=walk, **cfg)
+        _compute(refs, bufs, bars, cfg, batch=batch, kv_head=kv_head, wg=wg, kv_start=kv_start, walk=walk)
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        _memory(refs, bufs, bars, batch=batch, kv_head=kv_head, walk=walk, **cfg)
+        _memory(refs, bufs, bars, cfg, batch=batch, kv_head=kv_head, walk=walk)
 
 
-def _memory(refs, bufs, bars, *, batch, kv_head, walk, block_q, stages, group, **_):
+def _memory(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, walk):
+    block_q, stages, group = cfg.block_q, cfg.stages, cfg.group
     q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
     _, _, q_smem, do_smem, lse_smem, delta_smem = bufs[:6]
     first, _, per_head = walk
@@ -270,8 +285,9 @@ def _mma(*terms, on_gpu):
     return list(pl.run_state(issue)(tuple(plgpu.ACC.init(init(acc)) for acc, _, _ in terms)))
 
 
-def _compute(refs, bufs, bars, *, batch, kv_head, wg, kv_start, walk, scale, causal, diag_offset, block_q,
-             block_kv, stages, group, interpret, **_):
+def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, walk):
+    scale, causal, diag_offset, interpret = cfg.scale, cfg.causal, cfg.diag_offset, cfg.interpret
+    block_q, block_kv, stages, group = cfg.block_q, cfg.block_kv, cfg.stages, cfg.group
     _, k_ref, v_ref, _, _, _, dq_ref, dk_ref, dv_ref = refs
     k_all, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_all, dq_smem = bufs
     k_smem, v_smem, dq_smem = k_all.at[wg], v_smem.at[wg], dq_smem.at[wg]
@@ -403,8 +419,8 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
     b, l, hq, d = q.shape
     s, hk = k.shape[1], k.shape[2]
     num_q_blocks = l // block_q
-    cfg = dict(scale=float(scale), causal=bool(causal), diag_offset=int(diag_offset), block_q=block_q,
-               block_kv=block_kv, stages=stages, group=hq // hk, num_q_blocks=num_q_blocks, interpret=interpret)
+    cfg = _Settings(scale=float(scale), causal=bool(causal), diag_offset=int(diag_offset), block_q=block_q,
+                    block_kv=block_kv, stages=stages, group=hq // hk, num_q_blocks=num_q_blocks, interpret=interpret)
     mesh = plgpu.Mesh(grid=(hk, s // (COMPUTE_WGS * block_kv), b), grid_names=("kv_heads", "kv_blocks", "batch"),
                       num_threads=COMPUTE_WGS + 1, thread_name="wg")
     grads_kv = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
