@@ -18,12 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the oracle is written in torch")
 jax = pytest.importorskip("jax")
-try:
-    from jax.experimental.pallas import mosaic_gpu  # noqa: F401 (the kernel needs it importable)
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-except Exception as exc:  # pragma: no cover - depends on the environment (Mosaic GPU needs absl-py)
-    pytest.skip(f"Pallas Mosaic GPU or its interpreter cannot be imported ({exc!r})", allow_module_level=True)
+from mosaic_gpu_mode import MODE, fresh_interpreter, interpret_params, pytestmark  # noqa: E402,F401
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -34,29 +29,8 @@ from jaxattn.jax_core.kernels.flash_fwd_mgpu import (  # noqa: E402
     flash_forward_mgpu, flash_forward_mgpu_tiles, padded_lengths)
 
 
-def _mode():
-    if jax.default_backend() == "cpu":
-        return "interpret"
-    device = jax.devices()[0]
-    if getattr(device, "compute_capability", "") == "9.0":
-        return "gpu"
-    return None
-
-
-MODE = _mode()
-pytestmark = pytest.mark.skipif(MODE is None, reason="Mosaic GPU's wgmma kernel needs an sm90 (Hopper) GPU")
-
-
-@pytest.fixture(autouse=True)
-def fresh_interpreter():
-    """A failed interpreted kernel leaves the interpreter's shared state behind; start each test clean."""
-    if MODE == "interpret":
-        gpu_callbacks.reset_gpu_interpret_mode_state()
-    yield
-
-
 def _run(q, k, v, *, fn=flash_forward_mgpu, **kw):
-    interpret = InterpretGPUParams() if MODE == "interpret" else None
+    interpret = interpret_params()
     out, lse = fn(q, k, v, interpret=interpret, **kw)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 

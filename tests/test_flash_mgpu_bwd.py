@@ -17,37 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the oracle is written in torch")
 jax = pytest.importorskip("jax")
-try:
-    from jax.experimental.pallas import mosaic_gpu  # noqa: F401 (the kernel needs it importable)
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-except Exception as exc:  # pragma: no cover - depends on the environment (Mosaic GPU needs absl-py)
-    pytest.skip(f"Pallas Mosaic GPU or its interpreter cannot be imported ({exc!r})", allow_module_level=True)
+from mosaic_gpu_mode import fresh_interpreter, interpret_params, pytestmark  # noqa: E402,F401
 
 import jax.numpy as jnp  # noqa: E402
 
 from attention_reference import assert_dtype_rule, from_bthd, reference, reference_grads  # noqa: E402
 
 from jaxattn.jax_core.kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu  # noqa: E402
-
-
-def _mode():
-    if jax.default_backend() == "cpu":
-        return "interpret"
-    device = jax.devices()[0]
-    return "gpu" if getattr(device, "compute_capability", "") == "9.0" else None
-
-
-MODE = _mode()
-pytestmark = pytest.mark.skipif(MODE is None, reason="Mosaic GPU's wgmma kernel needs an sm90 (Hopper) GPU")
-
-
-@pytest.fixture(autouse=True)
-def fresh_interpreter():
-    """A failed interpreted kernel leaves the interpreter's shared state behind; start each test clean."""
-    if MODE == "interpret":
-        gpu_callbacks.reset_gpu_interpret_mode_state()
-    yield
 
 
 def _low_grads(q, k, v, cot, dtype, **kw):
@@ -86,7 +62,7 @@ def test_gradients_against_float64_oracle(b, l, s, hq, hk, d, causal, alignment,
 
     lse_bhl = jnp.asarray(lse.float().numpy())
     lse_log2, delta = backward_operands(_jax(out, dtype), _jax(do, dtype), lse_bhl)
-    interpret = InterpretGPUParams() if MODE == "interpret" else None
+    interpret = interpret_params()
     got = flash_backward_mgpu(
         _jax(q, dtype), _jax(k, dtype), _jax(v, dtype), _jax(do, dtype), lse_log2, delta,
         jnp.zeros((b, l, hq, d), jnp.float32), scale=scale, causal=causal,
