@@ -89,3 +89,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("thorough") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def registry_cleanup():
+    """Implementations a test registers are gone after it (the registry as it was before)."""
+    from jaxattn.jax_core import AttentionRegistry
+
+    before = dict(AttentionRegistry._impls)
+    yield
+    AttentionRegistry._impls.clear()
+    AttentionRegistry._impls.update(before)

@@ -239,14 +239,6 @@ def test_a_valid_call_is_checked_once(counted_checks):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def registry_cleanup():
-    before = dict(AttentionRegistry._impls)
-    yield
-    AttentionRegistry._impls.clear()
-    AttentionRegistry._impls.update(before)
-
-
 def _easydel_style(name, seen):
     """An implementation written the EasyDeL way: `forward_native` and `forward_cpu`, no `compute`."""
 

@@ -288,14 +288,6 @@ def test_attention_inputs_from_arrays_features():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def registry_cleanup():
-    before = dict(AttentionRegistry._impls)
-    yield
-    AttentionRegistry._impls.clear()
-    AttentionRegistry._impls.update(before)
-
-
 def test_list_and_get_implementations():
     names = AttentionRegistry.list_implementations()
     assert {"vanilla", "sdpa", "cudnn"} <= set(names) and "cuda_flash_attn2" not in names
