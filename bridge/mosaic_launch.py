@@ -78,7 +78,8 @@ class _Compiled:
             passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)
             call, self.prepare_args, self.prepare_outputs, self.get_outputs = mgpu_torch._find_mgpu_call_in_module(
                 module)
-        launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(
+        # Kept for the life of the process: a launcher is made once per kernel and shapes.
+        launch, _unload = mgpu_core._compile_as_torch_gpu_kernel(
             call.attributes["mhlo.backend_config"]["module"].value_bytes)
         # The compiled host program, from the launcher as_torch_kernel would use (which always takes
         # the default stream): `__call__` passes torch's current stream instead. jax 0.11 calls it

@@ -208,10 +208,16 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
     config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, call, sinks=sinks, mask=mask,
                             segments=segments, varlen=varlen is not None, alibi=alibi)
     if memo is not None:
-        if len(_DECODE_CONFIGS) >= 1024:
-            _DECODE_CONFIGS.clear()
-        _DECODE_CONFIGS[memo] = config
+        _keep(_DECODE_CONFIGS, memo, config)
     return config
+
+
+def _keep(cache: dict, key, value) -> None:
+    """cache[key] = value in a memo of at most 1024 entries (emptied when full: the keys are per
+    signature, so a program that fills it is not reusing them anyway)."""
+    if len(cache) >= 1024:
+        cache.clear()
+    cache[key] = value
 
 
 _DECODE_CONFIGS: dict = {}
@@ -247,9 +253,7 @@ def _call(*, causal, bottom_right, window, softcap, dropout_p, lse, scale, varle
         backend=backend,
     )
     if key is not None:
-        if len(_CALLS) >= 1024:
-            _CALLS.clear()
-        _CALLS[key] = call
+        _keep(_CALLS, key, call)
     return call
 
 
