@@ -187,12 +187,12 @@ def _warpgroups(refs, bufs, bars, cfg: _Settings):
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(240, action="increase")
         _compute(refs, bufs, bars, cfg, batch=batch, kv_head=kv_head, wg=wg, kv_start=kv_start, walk=walk)
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(24, action="decrease")
         _memory(refs, bufs, bars, cfg, batch=batch, kv_head=kv_head, walk=walk)
 
 
