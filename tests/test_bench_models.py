@@ -205,3 +205,14 @@ def test_bad_python_arguments_name_the_argument():
         run_models("tiny", device="tpu")
     with pytest.raises(ValueError, match=r"implementation='bogus'.*vanilla"):
         run_models("tiny", device="cpu", implementation="bogus")
+
+
+def test_long_plan_is_one_head_dim_128_model_at_long_contexts():
+    # The sizes where the Hopper kernels run (torch_api/hopper_flash.py HOPPER_MIN_LENGTH, head dim 128).
+    from jaxattn.torch_api.hopper_flash import HOPPER_MIN_LENGTH
+
+    plan = bench_models.plan("long", "cuda")
+    (model,) = plan.models
+    assert model.describe()["head_dim"] == 128 and model.kv_heads < model.heads
+    assert all(length >= HOPPER_MIN_LENGTH["train"] for _, length in model.cases)
+    assert plan.dtype == "bfloat16" and not model.generate_batches
