@@ -5,7 +5,9 @@ sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or n
 mask, dropout, soft cap, window or sinks, lengths in whole tiles, eager (not compiled or captured), and
 query and key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients), below which
 the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels"). Automatic launch
-(`launch.native_decision`) is unchanged: calls it sends to JAX's cuDNN stay there.
+(`launch.native_decision`) keeps its choice of JAX's cuDNN for long calls that need gradients (its
+backward is faster than ours); a prepared call without gradients that `hopper_forward_reasons`
+accepts launches natively, and so runs the Hopper forward.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
 run; `torch.use_deterministic_algorithms(True)` keeps such calls on the Triton kernels.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
-from ..jax_core import calls
+from ..jax_core import AttentionInputs, calls
 from ..jax_core.kernels.flash_plan import FlashConfig
 
 #: Shortest query and key lengths (the smaller of L and S) at which the Hopper kernels run, forward
@@ -60,6 +62,30 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     if not reasons:
         reasons += mosaic_reasons(q.device)
     return reasons
+
+
+#: The jax_core features (`AttentionInputs.features`) of calls the Hopper kernels run.
+_FEATURES = frozenset({"causal", "causal_bottom_right", "gqa"})
+
+
+def hopper_forward_reasons(inputs: AttentionInputs, device: torch.device) -> list[str]:
+    """Why the Hopper forward would not run a call described by `inputs` without gradients (empty when it
+    would): what `hopper_reasons(..., grad=False)` asks of the tensors, from the call's description,
+    for automatic launch to ask before it chooses a launcher."""
+    if device.type != "cuda" or min(inputs.q_len, inputs.kv_len) < HOPPER_MIN_LENGTH["forward"]:
+        return [f"not CUDA, or lengths below {HOPPER_MIN_LENGTH['forward']}"]
+    reasons = []
+    if inputs.dtype not in ("bfloat16", "float16") or inputs.head_dim != 128 or inputs.value_head_dim != 128:
+        reasons.append(f"dtype {inputs.dtype}, head dims {inputs.head_dim}/{inputs.value_head_dim}: the Hopper "
+                       "kernels take bfloat16 or float16 at head dim 128")
+    if inputs.features - _FEATURES:
+        reasons.append(f"features {sorted(inputs.features - _FEATURES)}: the Hopper kernels have none of them")
+    if inputs.q_len % _ROWS or inputs.kv_len % _KEYS or inputs.num_q_heads % inputs.num_kv_heads:
+        reasons.append(f"lengths L={inputs.q_len}, S={inputs.kv_len} or heads {inputs.num_q_heads}/"
+                       f"{inputs.num_kv_heads}: not whole tiles of {_ROWS}, or not GQA")
+    if torch.are_deterministic_algorithms_enabled():
+        reasons.append("deterministic algorithms are on")
+    return reasons or mosaic_reasons(device)
 
 
 def _kernel_views(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], bool]:

@@ -28,6 +28,7 @@ from ..jax_core import AttentionCall, AttentionInputs, AttentionRegistry
 from ..jax_core.flash import FlashAttn
 from ..jax_core.kernels.flash_plan import FlashConfig
 from ..jax_core.visibility import Visibility
+from .hopper_flash import HOPPER_MIN_LENGTH, hopper_forward_reasons
 
 Launcher = Literal["auto", "native", "xla"]
 LAUNCHERS = ("auto", "native", "xla")
@@ -113,20 +114,23 @@ def prefer_native(inputs: AttentionInputs) -> bool:
     return not (64 < d <= 128 and work >= XLA_CUDNN_MIN_WORK)
 
 
-def use_native(inputs: AttentionInputs, device: torch.device, choice, launcher: str) -> bool:
+def use_native(inputs: AttentionInputs, device: torch.device, choice, launcher: str, *,
+               grad: Optional[bool] = None) -> bool:
     """Whether a call described by `inputs` (see `describe`) runs by the native launcher.
 
     Args:
         choice: None (automatic), a name or a tuple of names (`selection.normalize_choice`).
         launcher: "auto", "native" or "xla".
+        grad: whether the call needs gradients; None when unknown (taken as maybe).
 
     Raises:
         ValueError: launcher "native" and the call cannot run natively (with the reasons).
     """
-    return native_decision(inputs, device, choice, launcher)[0]
+    return native_decision(inputs, device, choice, launcher, grad=grad)[0]
 
 
-def native_decision(inputs: AttentionInputs, device: torch.device, choice, launcher: str) -> tuple[bool, str]:
+def native_decision(inputs: AttentionInputs, device: torch.device, choice, launcher: str, *,
+                    grad: Optional[bool] = None) -> tuple[bool, str]:
     """`use_native`'s answer and why (the same decision; `explain_choice` prints it)."""
     if launcher == "xla":
         return False, "sdpa_launcher('xla') is active"
@@ -150,6 +154,9 @@ def native_decision(inputs: AttentionInputs, device: torch.device, choice, launc
         return True, (f"a decoding call with S={inputs.kv_len} <= {NATIVE_DECODE_MAX_KEYS} keys: one native launch "
                       "beats the XLA path's host cost" if decoding else
                       "our flash kernel measured faster than the XLA path's choice at this size and head dim")
+    if grad is False and not hopper_forward_reasons(inputs, device):
+        return True, ("no gradients, and the Hopper forward kernel measured faster than the XLA path's cuDNN here "
+                      f"(sm90, head dim 128, L and S >= {HOPPER_MIN_LENGTH['forward']})")
     xla = _xla_choice(inputs)
     if xla in NATIVE_IMPLEMENTATIONS:
         return True, "the XLA path would run flash too; the native launch skips its host cost"
@@ -169,7 +176,8 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
                   causal: bool = False, bottom_right: bool = False, window: Optional[tuple[int, int]] = None,
                   softcap: Optional[float] = None, sinks: bool = False, mask: Optional[torch.dtype] = None,
                   dropout_p: float = 0.0, lse: bool = False, scale: Optional[float] = None, segments: bool = False,
-                  varlen: Optional[tuple[int, int]] = None, alibi: bool = False) -> Optional[FlashConfig]:
+                  varlen: Optional[tuple[int, int]] = None, alibi: bool = False,
+                  grad: Optional[bool] = None) -> Optional[FlashConfig]:
     """The flash kernels' settings when the native launcher runs a (B, Hq, L, E) / (B, Hk, S, E) call,
     else None (the XLA bridge runs it).
 
@@ -180,6 +188,9 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
         varlen: (max_seqlen_q, max_seqlen_k) of a packed (varlen) call, else None; q_shape and
             k_shape are then (1, H, total, D).
         alibi: the call has ALiBi slopes.
+        grad: whether the call needs gradients (a prepared call knows; None: unknown, taken as maybe).
+            Only a long call's automatic choice depends on it (`native_decision`); decoding's memo
+            below leaves it out.
         Others: the call's options; `choice` and the current `sdpa_launcher` as in `use_native`.
 
     The options become one `AttentionCall` (`_call`), whose `flash_config` gives the settings: the
@@ -206,7 +217,7 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
     call = _call(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, dropout_p=dropout_p,
                  lse=lse, scale=scale, varlen=varlen, device=device)
     config = _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, call, sinks=sinks, mask=mask,
-                            segments=segments, varlen=varlen is not None, alibi=alibi)
+                            segments=segments, varlen=varlen is not None, alibi=alibi, grad=grad)
     if memo is not None:
         _keep(_DECODE_CONFIGS, memo, config)
     return config
@@ -261,10 +272,11 @@ _CALLS: dict = {}
 
 
 def _native_config(q_shape, k_shape, value_head_dim, dtype, device, choice, call: AttentionCall, *, sinks, mask,
-                   segments, varlen: bool, alibi) -> Optional[FlashConfig]:
+                   segments, varlen: bool, alibi, grad: Optional[bool]) -> Optional[FlashConfig]:
     l, s = q_shape[2], k_shape[2]
     features = _features(call, l, s, sinks=sinks, mask=mask, segments=segments, varlen=varlen, alibi=alibi)
-    if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher()):
+    if not use_native(describe(q_shape, k_shape, value_head_dim, dtype, features), device, choice, current_launcher(),
+                      grad=grad):
         return None
     return call.flash_config(l, s, q_shape[3], packed=varlen)
 

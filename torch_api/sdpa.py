@@ -234,9 +234,14 @@ class _PreparedSdpa:
             check_mask_shape(attn_mask, (*batch, hq, seq_q, seq_k))
         self.lead, self.flat = tuple(batch), math.prod(batch)
         self.hq, self.hk, self.e, self.ev = hq, hk, e, ev
+        # A prepared call's signature holds grad mode and requires_grad, so it knows whether it needs
+        # gradients; a compiled one may be replayed either way.
+        grad = None if torch.compiler.is_compiling() else (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
         self.native = native_config(
             (self.flat, hq, seq_q, e), (self.flat, hk, seq_k, e), ev, query.dtype, query.device, choice,
-            causal=is_causal, mask=None if attn_mask is None else attn_mask.dtype, dropout_p=dropout_p, scale=scale)
+            causal=is_causal, mask=None if attn_mask is None else attn_mask.dtype, dropout_p=dropout_p, scale=scale,
+            grad=grad)
         self.native_call = None if self.native is None else NativeFlash(self.native)
         if self.native is not None:
             buckets = None  # the native launch compiles once for every length: nothing to bucket

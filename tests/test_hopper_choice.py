@@ -1,0 +1,76 @@
+"""Automatic launch and the Hopper forward: a long head-dim-128 call without gradients launches natively
+(and so runs the Hopper forward on sm90); with gradients, or when unknown, JAX's cuDNN keeps it.
+
+No GPU here: the launcher is told it can launch on CUDA and that Mosaic GPU can run; the rest of the
+decision (sizes, features, grad) is the real one. On an H100 `tests/test_gpu_hopper.py` runs the kernels.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention  # noqa: E402
+from jaxattn.torch_api import launch as launch_module  # noqa: E402
+from jaxattn.torch_api.launch import describe, native_decision  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def cuda_launcher(monkeypatch):
+    monkeypatch.setattr(launch_module, "can_launch", lambda device: True)
+    monkeypatch.setattr(hopper_flash, "mosaic_reasons", lambda device: [])
+
+
+def _inputs(l=16384, s=16384, d=128, dtype=torch.bfloat16, features=("causal",), b=2, hq=16, hk=8):
+    # (2, 16, 16384, 16384): far above XLA_CUDNN_MIN_WORK, where automatic launch keeps JAX's cuDNN.
+    return describe((b, hq, l, d), (b, hk, s, d), d, dtype, set(features))
+
+
+def test_a_long_call_without_gradients_launches_natively(cuda_launcher):
+    native, why = native_decision(_inputs(), CUDA, None, "auto", grad=False)
+    assert native and "no gradients, and the Hopper forward" in why
+    for grad in (True, None):  # with gradients, or unknown: JAX's cuDNN as before
+        native, why = native_decision(_inputs(), CUDA, None, "auto", grad=grad)
+        assert not native and "measured faster here" in why, (grad, why)
+
+
+@pytest.mark.parametrize("change, want", [
+    (dict(d=64), "head dims 64/64"),
+    (dict(dtype=torch.float32), "dtype float32"),
+    (dict(features=("causal", "softcap")), "features ['softcap']"),
+    (dict(l=16001), "lengths L=16001"),
+    (dict(l=2048), "lengths below 4096"),
+])
+def test_calls_the_hopper_forward_cannot_run_keep_their_launcher(cuda_launcher, change, want):
+    inputs = _inputs(**change)
+    assert any(want in r for r in hopper_flash.hopper_forward_reasons(inputs, CUDA)), want
+    native, why = native_decision(inputs, CUDA, None, "auto", grad=False)
+    assert "Hopper" not in why
+
+
+def test_deterministic_mode_keeps_jax_cudnn(cuda_launcher):
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not native_decision(_inputs(), CUDA, None, "auto", grad=False)[0]
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_the_drop_in_tells_the_decision_whether_the_call_needs_gradients(monkeypatch):
+    seen = []
+    real = launch_module.use_native
+
+    def spy(inputs, device, choice, launcher, *, grad=None):
+        seen.append(grad)
+        return real(inputs, device, choice, launcher, grad=grad)
+
+    monkeypatch.setattr(launch_module, "use_native", spy)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 37, 8, generator=gen) for _ in range(3))
+    scaled_dot_product_attention(q, k, v, is_causal=True)
+    q.requires_grad_(True)
+    scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.no_grad():
+        scaled_dot_product_attention(q, k, v, is_causal=False)
+    assert seen == [False, True, False]
