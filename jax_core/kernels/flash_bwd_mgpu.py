@@ -115,16 +115,12 @@ def _check(q, k, v, do, lse_log2, delta, dq_accum, *, scale, diag_offset, window
 
 
 class _Walk(NamedTuple):
-    """The query blocks a program walks per query head: [first, end), of which [full_lo, full_hi)
-    see all of its keys (no mask) and the others cross a band edge (masked)."""
+    """The query blocks a program walks per query head: [first, first + per_head), of which
+    [full_lo, full_hi) see all of its keys (no mask) and the others cross a band edge (masked)."""
     first: object
     full_lo: object
     full_hi: object
-    end: object
-
-    @property
-    def per_head(self):
-        return self.end - self.first
+    per_head: object
 
 
 def _q_range(kv_start, cfg):
@@ -154,7 +150,7 @@ def _q_range(kv_start, cfg):
     if cfg.ragged_end:  # the program holding keys past kv_len masks every block it walks
         full_lo = jnp.where(program_end > cfg.kv_len, end, full_lo)
         full_hi = jnp.maximum(full_hi, full_lo)
-    return _Walk(first, full_lo, full_hi, end)
+    return _Walk(first, full_lo, full_hi, end - first)
 
 
 class _Settings(NamedTuple):
