@@ -167,6 +167,10 @@ FEATURE_CASES = [
     pytest.param(1, 200, 70, 2, 2, dict(window=(5, 5), alignment="bottom_right"), id="window-br-l>s-empty"),
     pytest.param(1, 300, 200, 2, 1, dict(window=(30, 50), d=128), id="window-two-sided-d128-empty"),
     pytest.param(1, 320, 130, 2, 2, dict(window=(0, 0)), id="window-l>s-empty"),
+    # an edge one row short of a 64-row block boundary, the other side open (so that some blocks are
+    # unmasked): an off-by-one in the unmasked range shows
+    pytest.param(1, 200, 260, 2, 1, dict(window=(62, -1)), id="window-left-62"),
+    pytest.param(1, 200, 200, 2, 1, dict(window=(-1, 62), alignment="bottom_right"), id="window-right-62"),
     # soft cap, sinks, combinations
     pytest.param(1, 97, 130, 2, 2, dict(softcap=5.0), id="softcap"),
     pytest.param(1, 256, 256, 2, 1, dict(softcap=2.0, causal=True, dtype=jnp.bfloat16, d=128),
