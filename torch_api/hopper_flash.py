@@ -1,11 +1,17 @@
 """The Hopper flash kernels (Pallas Mosaic GPU: `flash_fwd_mgpu`, `flash_bwd_mgpu`) launched from torch.
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
-sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, GQA, no bias,
-mask, dropout, soft cap, window or sinks, lengths in whole tiles, eager (not compiled or captured), and
-query and key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients), below which
-the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels"). Automatic launch
-(`launch.native_decision`) is unchanged: calls it sends to JAX's cuDNN stay there.
+sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, sliding
+windows, a logits soft cap, GQA, no bias, mask, dropout, sinks or packing, eager (not compiled or
+captured), and query and key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with
+gradients), below which the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels").
+Automatic launch (`launch.native_decision`) is unchanged: calls it sends to JAX's cuDNN stay there.
+
+Any lengths: the kernels move whole tiles (128 query rows, 128 keys serve both), so a tensor whose
+length is not a multiple of 128 is copied once into a zero-padded buffer (the copy a non-contiguous
+layout takes anyway), the kernels get the true key count and mask the padded keys, padded query
+rows get LSE +inf and delta 0 in the backward (so they add nothing), and the results are views of
+the true rows. Whole tiles keep the zero-copy views.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
 run; `torch.use_deterministic_algorithms(True)` keeps such calls on the Triton kernels.
@@ -27,7 +33,9 @@ from ..jax_core.kernels.flash_plan import FlashConfig
 #: at (8, 16, 2048); forward + backward 4764 vs 4910 us at (2, 16, 8192), 3325 vs 2653 us at
 #: (4, 16, 4096). The per-program walk of the Hopper backward pays off only over long sequences.
 HOPPER_MIN_LENGTH = dict(forward=4096, train=8192)
-_ROWS, _KEYS = 128, 128  # whole tiles of both kernels (`jax_core.calls.HOPPER_TILES`)
+# Whole tiles of both kernels (`jax_core.calls.HOPPER_TILES`): the forward's 2 * 64 query rows and 128
+# keys, the backward's 64 rows and 2 * 64 keys.
+_ROWS, _KEYS = 128, 128
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
@@ -45,10 +53,8 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
         reasons.append(f"dtype {q.dtype}: the Hopper kernels take bfloat16 or float16")
     if d != 128 or dv != 128:
         reasons.append(f"head dims {d}/{dv}: the Hopper kernels run head dim 128")
-    if cfg.window != (-1, -1) or cfg.softcap is not None or cfg.dropout_p or cfg.varlen is not None:
-        reasons.append("window, soft cap, dropout or varlen: the Hopper backward has none of them yet")
-    if l % _ROWS or s % _KEYS:
-        reasons.append(f"lengths L={l}, S={s}: the Hopper kernels take multiples of {_ROWS}")
+    if cfg.dropout_p or cfg.varlen is not None:
+        reasons.append("dropout or varlen: the Hopper kernels have neither")
     if hq % hk:
         reasons.append(f"num_q_heads={hq} is not a multiple of num_kv_heads={hk}")
     least = HOPPER_MIN_LENGTH["train" if grad else "forward"]
@@ -62,43 +68,73 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     return reasons
 
 
-def _kernel_views(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
-    """(B, H, T, D) tensors as the kernels' (batch, T, heads, D) arrays without a copy where possible, and
-    whether they were folded: (B, H, T, D) memory itself, with equal head counts, passes as (B*H, T, 1, D)
-    (attention per (batch, head) pair); (B, T, H, D) memory seen transposed passes as is; anything else
-    is copied to (B, T, H, D)."""
+def _whole(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+def _kernel_views(tensors: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) -> tuple[list[torch.Tensor], bool]:
+    """(B, H, T, D) tensors as the kernels' (batch, T', heads, D) arrays of T' = `lengths` rows (whole
+    tiles), and whether they were folded: (B, H, T, D) memory itself, with equal head counts, passes as
+    (B*H, T', 1, D) (attention per (batch, head) pair); (B, T, H, D) memory seen transposed passes as
+    is; anything else is copied to (B, T', H, D). No copy where T = T' and the memory fits; otherwise
+    one copy, into a buffer whose rows T.. are zeros."""
     heads = {t.shape[1] for t in tensors}
     if len(heads) == 1 and all(t.is_contiguous() for t in tensors):
-        return [t.reshape(t.shape[0] * t.shape[1], t.shape[2], 1, t.shape[3]) for t in tensors], True
-    return [t.transpose(1, 2).contiguous() for t in tensors], False
+        return [_padded(t, n, 2).reshape(t.shape[0] * t.shape[1], n, 1, t.shape[3])
+                for t, n in zip(tensors, lengths)], True
+    return [_padded(t.transpose(1, 2), n, 1).contiguous() for t, n in zip(tensors, lengths)], False
+
+
+def _padded(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """t with zero rows appended along `dim` up to n: t itself when it has n, else one copy."""
+    if t.shape[dim] == n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    out = t.new_empty(shape)  # contiguous
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    out.narrow(dim, t.shape[dim], n - t.shape[dim]).zero_()
+    return out
 
 
 def _torch_view(x: torch.Tensor, like: torch.Tensor, folded: bool) -> torch.Tensor:
-    """A kernel result of (batch, T, heads, D) back in `like`'s (B, H, T, D) shape."""
-    return x.view(like.shape) if folded else x.transpose(1, 2)
+    """A kernel result of (batch, T', heads, D) back in `like`'s (B, H, T, D) shape (its first T rows)."""
+    b, h, t, d = like.shape
+    if folded:
+        return x.view(b, h, x.shape[1], d)[:, :, :t]
+    return x[:, :t].transpose(1, 2)
 
 
-def _static(cfg: FlashConfig) -> dict:
-    return dict(scale=float(cfg.scale), causal=bool(cfg.causal), diag_offset=int(cfg.diag_offset))
+def _static(cfg: FlashConfig, kv_len: int) -> dict:
+    window = None if tuple(cfg.window) == (-1, -1) else tuple(int(w) for w in cfg.window)
+    return dict(scale=float(cfg.scale), causal=bool(cfg.causal), diag_offset=int(cfg.diag_offset), window=window,
+                softcap=None if cfg.softcap is None else float(cfg.softcap), kv_len=int(kv_len))
 
 
 def hopper_forward(q, k, v, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient."""
-    (kq, kk, kv), folded = _kernel_views(q, k, v)
-    out, lse = _FORWARD(kq, kk, kv, **_static(cfg))
-    return _torch_view(out, q, folded), lse.view(q.shape[:3])
+    l, s = q.shape[2], k.shape[2]
+    rows, keys = _whole(l, _ROWS), _whole(s, _KEYS)
+    (kq, kk, kv), folded = _kernel_views((q, k, v), (rows, keys, keys))
+    out, lse = _FORWARD(kq, kk, kv, **_static(cfg, s))
+    return _torch_view(out, q, folded), lse.view(*q.shape[:2], rows)[..., :l]
 
 
 def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in (B, H, T, D) shapes of the inputs' dtype, from the forward's out and lse."""
     dout = dout.to(q.dtype)
-    (kq, kk, kv, kdo), folded = _kernel_views(q, k, v, dout)
+    l, s = q.shape[2], k.shape[2]
+    rows, keys = _whole(l, _ROWS), _whole(s, _KEYS)
+    (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
     delta = (out.float() * dout.float()).sum(-1)  # rowsum(dO * O): (B, Hq, L)
     lse_log2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E)
-    rows = kq.shape[:3]  # the kernels' (batch, heads, T) order of the row vectors
-    delta, lse_log2 = (x.reshape(rows[0], rows[2], rows[1]) for x in (delta, lse_log2))
+    # Padded query rows: LSE +inf (probabilities 0) and delta 0, so that they add nothing to dK, dV.
+    delta, lse_log2 = (torch.nn.functional.pad(x, (0, rows - l), value=fill) for x, fill in ((delta, 0.0),
+                                                                                             (lse_log2, torch.inf)))
+    batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
+    delta, lse_log2 = (x.reshape(batch, heads, rows) for x in (delta, lse_log2))
     accum = torch.zeros(kq.shape, dtype=torch.float32, device=q.device)
-    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_static(cfg))
+    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_static(cfg, s))
     return _torch_view(dq.to(q.dtype), q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
 
 
