@@ -10,8 +10,10 @@ backward (autograd.grad of the output against a fixed cotangent):
       which these rows set, off);
     * "jaxattn triton": the same call with the Hopper kernels switched off (the Triton kernels);
     * "torch cudnn" / "torch flash": F.scaled_dot_product_attention under `sdpa_kernel`.
-And the forward kernel's feature costs at (2,16,8192,128): soft cap, sinks, and a causal window
-covering every key, against the plain causal kernel (as_torch_kernel directly).
+Then head dim 64 (the Hopper forward; forward + backward runs the Triton kernels) and lengths that
+are not whole tiles. And the feature costs at (2,16,8192,128): the forward kernel with a soft cap,
+sinks, or a causal window covering every key, against the plain causal kernel (as_torch_kernel
+directly); forward + backward through `hopper_flash` with a soft cap or windows.
 
 Timing: `gpu_timing.time_torch` (back-to-back calls between CUDA events, median of repeats).
 TFLOP/s: forward 4*B*H*L*S*D (halved for causal), forward + backward 3.5x that. Each row's output
@@ -35,6 +37,10 @@ from gpu_timing import time_torch
 from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention, sdpa_launcher
 
 SHAPES = [(1, 16, 16384, 128), (2, 16, 8192, 128), (2, 16, 4096, 128), (4, 16, 2048, 128), (8, 16, 1024, 128)]
+# Head dim 64: the Hopper forward only (with gradients the rows run the Triton kernels); and lengths
+# that are not whole tiles (one padded copy).
+SHAPES_64 = [(1, 16, 16384, 64), (1, 16, 8192, 64), (4, 16, 4096, 64), (16, 16, 1024, 64)]
+EDGE_SHAPES = [(2, 16, 8000, 128), (1, 16, 8000, 64)]
 FEATURE_SHAPE = (2, 16, 8192, 128)
 
 
@@ -102,6 +108,7 @@ def feature_costs(rows):
     b, h, l, d = FEATURE_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, l, h, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    _feature_costs_train(rows)
     sinks = torch.randn(h, generator=gen, device="cuda", dtype=torch.float32)
     variants = {"plain causal": (dict(), ()), "soft cap 30": (dict(softcap=30.0), ()),
                 "sinks": (dict(), (sinks,)), f"window ({l}, 0)": (dict(window=(l, 0)), ())}
@@ -117,6 +124,32 @@ def feature_costs(rows):
         rows.append(row)
         print(f"{str(tuple(row['shape'])):20} {row['row']:32} {us:9.1f} us {row['fwd_tflops']:6.1f} TF  "
               f"{100 * row['cost']:+.1f}%", flush=True)
+
+
+def _feature_costs_train(rows):
+    """Forward + backward through `hopper_flash` (both kernels, the torch launch) with a window or a soft
+    cap, against the plain causal call."""
+    from jaxattn.jax_core.kernels.flash_plan import FlashConfig
+
+    b, h, l, d = FEATURE_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+              for _ in range(3)]
+    cot = torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    variants = {"plain causal": dict(), "soft cap 30": dict(softcap=30.0), f"window ({l}, 0)": dict(window=(l, 0)),
+                "window (1024, 0)": dict(window=(1024, 0))}
+    base = None
+    for name, kw in variants.items():
+        cfg = FlashConfig(scale=d ** -0.5, causal=True, **kw)
+
+        def train(cfg=cfg):
+            out = hopper_flash.hopper_flash(*leaves, cfg, grad=True)
+            torch.autograd.grad(out, leaves, cot)
+        us = time_torch(train, iters=5)
+        base = base or us
+        row = dict(shape=[b, h, l, d], row=f"hopper fwd+bwd, {name}", fwd_bwd_us=us, cost=us / base - 1)
+        rows.append(row)
+        print(f"{str(tuple(row['shape'])):20} {row['row']:32} {us:9.1f} us  {100 * row['cost']:+.1f}%", flush=True)
 
 
 def format_row(row):
@@ -141,6 +174,8 @@ def main():
     if not args.quick:
         measure(SHAPES[0], False, torch.bfloat16, rows)
         measure(SHAPES[1], True, torch.float16, rows)
+        for shape in SHAPES_64 + EDGE_SHAPES:
+            measure(shape, True, torch.bfloat16, rows)
         feature_costs(rows)
     if args.out:
         with open(args.out, "w") as f:

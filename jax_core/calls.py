@@ -163,22 +163,41 @@ def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes
 
 
 # The Hopper kernels (Pallas Mosaic GPU) on whole tiles, each one kernel call and nothing else, as
-# `plgpu.as_torch_kernel` launches them on torch tensors. Arrays are (B, T, H, D); the tile settings
-# are the ones measured fastest on an H100 (BENCHMARKS.md, "Hopper kernels").
-HOPPER_TILES = dict(forward=dict(block_q=64, block_kv=128, stages=2), backward=dict(block_q=64, block_kv=64, stages=2))
+# `plgpu.as_torch_kernel` launches them on torch tensors. Arrays are (B, T, H, D); the caller pads
+# lengths to whole tiles (`hopper_tile_lengths`) and passes the
+# true key count `kv_len` (None: every key is real). `window` (left, right) with -1 unbounded, or None;
+# `softcap` a float or None. The tile settings, per head dim, are the ones measured fastest on an H100
+# (BENCHMARKS.md, "Hopper kernels"): at head dim 64 the forward's 256-key blocks halve the steps of a
+# walk whose products are small.
+HOPPER_TILES = dict(
+    forward={64: dict(block_q=64, block_kv=256, stages=2), 128: dict(block_q=64, block_kv=128, stages=2)},
+    backward={64: dict(block_q=64, block_kv=64, stages=2), 128: dict(block_q=64, block_kv=64, stages=2)},
+)
 
 
-def flash_hopper(query, key, value, *, scale, causal, diag_offset):
-    """(out (B, L, Hq, D), lse (B, Hq, L) float32); L and S in whole tiles (`hopper_flash` checks)."""
+def hopper_tile_lengths(head_dim: int, backward: bool) -> tuple[int, int]:
+    """(query rows, keys) of one whole tile of the Hopper forward (`backward` False) or backward kernel
+    at `head_dim`: lengths the caller pads to (the forward's programs own 2 * block_q rows, the
+    backward's 2 * block_kv keys)."""
+    tiles = HOPPER_TILES["backward" if backward else "forward"][head_dim]
+    return (tiles["block_q"], 2 * tiles["block_kv"]) if backward else (2 * tiles["block_q"], tiles["block_kv"])
+
+
+def flash_hopper(query, key, value, *, scale, causal, diag_offset, window=None, softcap=None, kv_len=None):
+    """(out (B, L, Hq, D), lse (B, Hq, L) float32) on whole tiles; padded query rows are computed too."""
     from .kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
     return flash_forward_mgpu_tiles(query, key, value, scale=scale, causal=causal, diag_offset=diag_offset,
-                                    **HOPPER_TILES["forward"])
+                                    window=window, softcap=softcap, kv_len=kv_len,
+                                    **HOPPER_TILES["forward"][query.shape[-1]])
 
 
-def flash_hopper_backward(query, key, value, d_out, lse_log2, delta, dq_accum, *, scale, causal, diag_offset):
-    """(dq_accum + dQ float32, dK, dV): `flash_bwd_mgpu.flash_backward_mgpu` with the tuned tiles."""
-    from .kernels.flash_bwd_mgpu import flash_backward_mgpu
+def flash_hopper_backward(query, key, value, d_out, lse_log2, delta, dq_accum, *, scale, causal, diag_offset,
+                          window=None, softcap=None, kv_len=None):
+    """(dq_accum + dQ float32, dK, dV): `flash_bwd_mgpu.flash_backward_mgpu_tiles` with the tuned tiles.
+    Padded query rows must carry lse_log2 +inf and delta 0."""
+    from .kernels.flash_bwd_mgpu import flash_backward_mgpu_tiles
 
-    return flash_backward_mgpu(query, key, value, d_out, lse_log2, delta, dq_accum, scale=scale, causal=causal,
-                               diag_offset=diag_offset, **HOPPER_TILES["backward"])
+    return flash_backward_mgpu_tiles(query, key, value, d_out, lse_log2, delta, dq_accum, scale=scale, causal=causal,
+                                     diag_offset=diag_offset, window=window, softcap=softcap, kv_len=kv_len,
+                                     **HOPPER_TILES["backward"][query.shape[-1]])

@@ -1,15 +1,22 @@
 """The Hopper (Pallas Mosaic GPU) flash kernels behind the torch drop-in: which calls take them, and
-their outputs and gradients against torch's math on float32 copies (the 2x same-dtype rule).
+their outputs and gradients against torch's math on float32 copies or the float64 reference (the 2x
+same-dtype rule).
 
-The choice (`hopper_reasons`) is checked everywhere; the kernels run only on an sm90 GPU.
+The choice (`hopper_reasons`) is checked everywhere, and so is the torch side of the launch (padding
+to whole tiles, the true key count, LSE and delta of padded rows, folded and transposed views) with
+the kernels interpreted on the CPU; the kernels themselves run only on an sm90 GPU.
 """
 
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from attention_reference import assert_dtype_rule, reference, reference_grads  # noqa: E402
+
+from jaxattn.jax_core import calls  # noqa: E402
 from jaxattn.jax_core.kernels.flash_plan import FlashConfig  # noqa: E402
 from jaxattn.torch_api import hopper_flash, native_flash, scaled_dot_product_attention, sdpa_launcher  # noqa: E402
 
@@ -26,27 +33,129 @@ def test_reasons_name_what_keeps_a_call_off_the_hopper_kernels():
     q = torch.empty(1, 16, 8192, 128, dtype=torch.bfloat16, **meta)
     k = torch.empty(1, 4, 8192, 128, dtype=torch.bfloat16, **meta)
     cases = [
-        ((q.float(), k.float(), k.float(), cfg), "dtype torch.float32"),
+        ((q.float(), k.float(), k.float(), cfg), "dtype float32"),
         ((q[..., :64], k[..., :64], k[..., :64], cfg), "head dims 64/64"),
-        ((q, k, k, FlashConfig(scale=0.1, causal=True, window=(128, 0))), "window, soft cap"),
-        ((q[:, :, :2000], k, k, cfg), "lengths L=2000, S=8192"),
+        ((q, k, k, FlashConfig(scale=0.1, causal=True, dropout_p=0.1)), "dropout or varlen"),
+        ((q, k, k, FlashConfig(scale=0.1, varlen=(8192, 8192))), "dropout or varlen"),
+        ((q[:, :, :2000], k, k, cfg), "lengths L=2000, S=8192 below 8192 with gradients"),
         ((q[:1, :, :4096], k[:1, :, :4096], k[:1, :, :4096], cfg), "lengths L=4096, S=4096 below 8192 with gradients"),
         ((q, k, k, cfg), "Mosaic GPU kernels run on CUDA devices (device meta)"),
     ]
     for args, want in cases:
         reasons = hopper_flash.hopper_reasons(*args, grad=True)
         assert any(want in r for r in reasons), (want, reasons)
+    # Head dim 64 runs the forward alone; 80 neither.
+    device_only = ["Mosaic GPU kernels run on CUDA devices (device meta)"]
+    assert hopper_flash.hopper_reasons(q[..., :64], k[..., :64], k[..., :64], cfg, grad=False) == device_only
+    assert any("head dims 80/80" in r for r in hopper_flash.hopper_reasons(q[..., :80], k[..., :80], k[..., :80], cfg,
+                                                                               grad=False))
 
 
-def test_deterministic_mode_keeps_calls_off_the_hopper_kernels():
-    q = torch.empty(1, 16, 8192, 128, dtype=torch.bfloat16, device="meta")
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        reasons = hopper_flash.hopper_reasons(q, q, q, FlashConfig(scale=0.1), grad=False)
-    finally:
-        torch.use_deterministic_algorithms(before)
-    assert any("deterministic" in r for r in reasons)
+def test_windows_soft_caps_and_any_lengths_take_the_hopper_kernels():
+    """Sliding windows, a soft cap and lengths that are not whole tiles are no reason to leave the
+    Hopper kernels: on the meta device the only reason left is the device."""
+    q = torch.empty(1, 16, 8197, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 4, 8193, 128, dtype=torch.bfloat16, device="meta")
+    for cfg in (FlashConfig(scale=0.1, causal=True, window=(1024, 0), diag_offset=-4),
+                FlashConfig(scale=0.1, window=(100, 300), softcap=30.0), FlashConfig(scale=0.1, softcap=5.0)):
+        assert hopper_flash.hopper_reasons(q, k, k, cfg, grad=True) == [
+            "Mosaic GPU kernels run on CUDA devices (device meta)"]
+
+
+class _Interpreted:
+    """Stands in for a `MosaicKernel` on CPU tensors: the same kernel entry and tiles as
+    `calls.flash_hopper` / `calls.flash_hopper_backward`, in Mosaic GPU's interpret mode."""
+
+    def __init__(self, which):
+        self.which = which
+
+    def __call__(self, *tensors, **static):
+        import jax.numpy as jnp
+        from jaxattn.jax_core.kernels.flash_bwd_mgpu import flash_backward_mgpu_tiles
+        from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
+        from mosaic_gpu_mode import interpret_params
+
+        dtype = {torch.float16: jnp.float16, torch.bfloat16: jnp.bfloat16, torch.float32: jnp.float32}
+        arrays = [jnp.asarray(t.contiguous().float().numpy(), dtype[t.dtype]) for t in tensors]
+        fn = flash_forward_mgpu_tiles if self.which == "forward" else flash_backward_mgpu_tiles
+        results = fn(*arrays, **static, **calls.HOPPER_TILES[self.which][arrays[0].shape[-1]],
+                     interpret=interpret_params())
+        back = {jnp.dtype(jnp.float16): torch.float16, jnp.dtype(jnp.bfloat16): torch.bfloat16,
+                jnp.dtype(jnp.float32): torch.float32}
+        return tuple(torch.from_numpy(np.array(r.astype(jnp.float32))).to(back[r.dtype]) for r in results)
+
+
+@pytest.mark.parametrize("b, hq, hk, l, s, kw, memory", [
+    # edge lengths, folded (B, H, T, D) memory, bottom-right causal window with a soft cap
+    pytest.param(1, 2, 2, 130, 200, dict(causal=True, window=(40, 0), softcap=5.0, bottom_right=True), "BHLD",
+                 id="edge-folded-window-softcap-br"),
+    # GQA (copied to (B, L, H, D)), two-sided window, L > S: rows that see no key
+    pytest.param(1, 4, 2, 200, 97, dict(window=(10, 20), bottom_right=True), "BHLD", id="edge-gqa-window-empty-rows"),
+    # whole tiles in (B, L, H, D) memory: passed as is
+    pytest.param(1, 2, 2, 128, 256, dict(causal=True), "BLHD", id="whole-tiles-transposed"),
+    # head dim 64: the forward's 256-key tiles (S=300 pads to 512 there, to 384 in the backward)
+    pytest.param(1, 4, 2, 130, 300, dict(causal=True, d=64), "BHLD", id="d64-edge-gqa"),
+])
+def test_torch_launch_against_float64_oracle_interpreted(monkeypatch, b, hq, hk, l, s, kw, memory):
+    """`hopper_forward` / `hopper_backward` with the kernels interpreted on the CPU: padding to whole
+    tiles (zero rows, the true key count, LSE +inf and delta 0 on padded rows), the folded and
+    transposed views and the slices back give the float64 oracle's out, dq, dk, dv (2x rule)."""
+    pytest.importorskip("jax")
+    from mosaic_gpu_mode import MODE
+    if MODE != "interpret":
+        pytest.skip("runs the kernels in Mosaic GPU's interpret mode (a CPU backend)")
+    monkeypatch.setattr(hopper_flash, "_FORWARD", _Interpreted("forward"))
+    monkeypatch.setattr(hopper_flash, "_BACKWARD", _Interpreted("backward"))
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    d, dtype = kw.get("d", 128), torch.float16
+
+    def tensor(h, t):
+        x = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)
+        return x if memory == "BHLD" else x.transpose(1, 2).contiguous().transpose(1, 2)
+    q, k, v, do = tensor(hq, l), tensor(hk, s), tensor(hk, s), tensor(hq, l)
+    scale = 0.8 / d ** 0.5
+    window, softcap = kw.get("window"), kw.get("softcap")
+    offset = s - l if kw.get("bottom_right") else 0
+    cfg = FlashConfig(scale=scale, causal=kw.get("causal", False), diag_offset=offset,
+                      window=window or (-1, -1), softcap=softcap)
+    q16, k16, v16, do16 = (x.to(dtype) for x in (q, k, v, do))  # .to keeps the memory layout
+    out, lse = hopper_flash.hopper_forward(q16, k16, v16, cfg)
+    grads = hopper_flash.hopper_backward(q16, k16, v16, out, lse, do16, cfg)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+    rkw = dict(causal=cfg.causal, alignment="bottom_right" if kw.get("bottom_right") else "top_left", window=window,
+               softcap=softcap, scale=scale)
+    exact = [x.double() for x in (q16, k16, v16, do16)]
+    want, want_lse, (dq, dk, dv, _, _) = reference_grads(*exact[:3], exact[3], **rkw)
+    leaves = [x.to(dtype).requires_grad_(True) for x in exact[:3]]
+    low, _ = reference(*leaves, dtype=dtype, **rkw)
+    low_grads = torch.autograd.grad((low * do16).sum(), leaves)
+    assert_dtype_rule("out", out.double(), want, low.double(), floor=1e-3)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - want_lse[finite]).abs().max() < 1e-3
+    for name, got, ref, theirs in zip(("dq", "dk", "dv"), grads, (dq, dk, dv), low_grads):
+        assert_dtype_rule(name, got.double(), ref, theirs.double(), floor=4e-3)
+
+
+def test_kernel_views_copy_only_partial_tiles():
+    """Whole tiles pass as views of the inputs' memory (folded (B, H, T, D), or (B, L, H, D) seen
+    transposed); a length short of a tile takes one copy, zero past the true rows, and the results
+    come back as views of the true rows."""
+    x = torch.randn(2, 3, 256, 8)
+    (view,), folded = hopper_flash._kernel_views((x,), (256,))
+    assert folded and view.data_ptr() == x.data_ptr() and view.shape == (6, 256, 1, 8)
+    blhd = torch.randn(2, 256, 3, 8).transpose(1, 2)
+    (view,), folded = hopper_flash._kernel_views((blhd,), (256,))
+    assert not folded and view.data_ptr() == blhd.data_ptr() and view.shape == (2, 256, 3, 8)
+    short = torch.randn(2, 3, 97, 8)
+    (padded,), folded = hopper_flash._kernel_views((short,), (128,))
+    assert folded and padded.shape == (6, 128, 1, 8)
+    back = hopper_flash._torch_view(padded, short, folded)
+    assert torch.equal(back, short) and padded.view(2, 3, 128, 8)[:, :, 97:].eq(0).all()
+    (padded, kv), folded = hopper_flash._kernel_views((short, torch.randn(2, 1, 97, 8)), (128, 128))
+    assert not folded and padded.shape == (2, 128, 3, 8) and padded[:, 97:].eq(0).all()
+    assert torch.equal(hopper_flash._torch_view(padded, short, folded), short)
 
 
 def _math(q, k, v, causal, dtype, gqa):
@@ -66,6 +175,8 @@ def _math(q, k, v, causal, dtype, gqa):
     (2, 16, 16, 4096, 4096, True, "BLHD"),  # (B, L, H, D) memory seen transposed: passed as is
     (4, 16, 4, 2048, 4096, True, "BHLD"),   # GQA (copied to (B, L, H, D)), L < S: causal top-left
     (2, 16, 2, 4096, 4096, False, "BLHD"),
+    (1, 16, 4, 4097, 4161, True, "BHLD"),   # lengths not whole tiles: padded (one copy), keys masked
+    (1, 16, 16, 4161, 2113, False, "BLHD"),  # L > S, both partial
 ])
 def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 2048)  # shorter shapes, the same kernels
@@ -98,6 +209,40 @@ def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, ca
 
 
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b, hq, hk, l, s, causal, memory", [
+    (2, 32, 8, 4096, 4096, True, "BLHD"),  # a Llama layout: GQA, (B, L, H, D) memory
+    (1, 16, 16, 4097, 4500, False, "BHLD"),  # partial tiles of 256 keys
+    (1, 8, 8, 4096, 8192, True, "BHLD"),  # L < S, causal top-left: key blocks past the last row skipped
+])
+def test_drop_in_runs_the_hopper_forward_at_head_dim_64(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
+    """Without gradients, head dim 64 takes the Hopper forward (256-key tiles); with them, the Triton
+    kernels (`hopper_reasons`)."""
+    taken = []
+    real = native_flash.hopper_flash
+    monkeypatch.setattr(native_flash, "hopper_flash", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+
+    def tensor(h, t):
+        if memory == "BHLD":
+            return torch.randn(b, h, t, 64, generator=gen, device="cuda")
+        return torch.randn(b, t, h, 64, generator=gen, device="cuda").transpose(1, 2)
+    q, k, v = tensor(hq, l), tensor(hk, s), tensor(hk, s)
+    gqa = hq != hk
+    with torch.no_grad(), sdpa_launcher("native"):
+        out = scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=causal, enable_gqa=gqa)
+    assert taken, "the call did not take the Hopper forward"
+    with torch.no_grad():
+        want, _ = _math(q, k, v, causal, torch.float32, gqa)
+        low, _ = _math(q, k, v, causal, dtype, gqa)
+    err, torch_err = ((x.float() - want).abs().max().item() for x in (out, low))
+    assert err <= 2 * torch_err + 1e-3, (err, torch_err)
+    assert not hopper_flash.hopper_reasons(q.to(dtype), k.to(dtype), v.to(dtype), FlashConfig(scale=0.125), False)
+    assert any("head dims 64/64" in r for r in hopper_flash.hopper_reasons(
+        q.to(dtype), k.to(dtype), v.to(dtype), FlashConfig(scale=0.125), True))
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
 def test_kernels_run_on_the_current_stream():
     """Inputs made on a side stream and used at once: a launch on another stream would race them."""
     cfg = FlashConfig(scale=128 ** -0.5, causal=True)
@@ -109,3 +254,48 @@ def test_kernels_run_on_the_current_stream():
     side.synchronize()
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert (out.float() - want).abs().max().item() < 3e-2
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hk, l, s, kw", [
+    (8, 2, 4097, 4161, dict(causal=True, window=(1000, 0), bottom_right=True)),  # causal sliding window, edges
+    (8, 8, 4096, 4096, dict(window=(700, 300))),  # two-sided window, whole tiles (zero-copy views)
+    (8, 4, 4097, 2049, dict(softcap=30.0, causal=True)),  # soft cap, L > S
+    (8, 2, 3000, 5000, dict(softcap=15.0, window=(512, 64), bottom_right=True)),  # all of them
+])
+def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dtype, hq, hk, l, s, kw):
+    """The Hopper launch the native launcher takes (`hopper_flash`) on a window and/or a soft cap and
+    lengths that are not whole tiles: out, dq, dk, dv against the float64 reference under the 2x rule,
+    and both Mosaic GPU kernels ran."""
+    ran = []
+    for name in ("_FORWARD", "_BACKWARD"):
+        real = getattr(hopper_flash, name)
+        monkeypatch.setattr(hopper_flash, name,
+                            lambda *a, _real=real, _name=name, **static: ran.append(_name) or _real(*a, **static))
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+    d = 128
+    q, do = (torch.randn(1, hq, l, d, generator=gen, device="cuda", dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, hk, s, d, generator=gen, device="cuda", dtype=torch.float64) for _ in range(2))
+    q, k, v, do = (x.to(dtype).double() for x in (q, k, v, do))  # exactly representable inputs
+    scale = d ** -0.5
+    window, softcap = kw.get("window"), kw.get("softcap")
+    cfg = FlashConfig(scale=scale, causal=kw.get("causal", False), diag_offset=s - l if kw.get("bottom_right") else 0,
+                      window=window or (-1, -1), softcap=softcap)
+    reasons = hopper_flash.hopper_reasons(q.to(dtype), k.to(dtype), v.to(dtype), cfg, grad=True)
+    assert all("measured faster" in r for r in reasons), reasons  # only the length thresholds, if any
+    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    out = hopper_flash.hopper_flash(*leaves, cfg, grad=True)
+    grads = torch.autograd.grad((out * do.to(dtype)).sum(), leaves)
+    assert ran == ["_FORWARD", "_BACKWARD"], ran
+
+    rkw = dict(causal=cfg.causal, alignment="bottom_right" if kw.get("bottom_right") else "top_left", window=window,
+               softcap=softcap, scale=scale)
+    want, _, (dq, dk, dv, _, _) = reference_grads(q, k, v, do, **rkw)
+    low_leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    low, _ = reference(*low_leaves, dtype=dtype, **rkw)
+    low_grads = torch.autograd.grad((low * do.to(dtype)).sum(), low_leaves)
+    # The kernels' soft cap uses tanh.approx.f32 (relative error below 2**-10.9): a larger floor.
+    floor = 2e-2 if softcap is not None else 4e-3
+    for name, got, ref, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, dq, dk, dv), (low, *low_grads)):
+        assert_dtype_rule(name, got.double(), ref, theirs.double(), floor=floor * max(1.0, ref.abs().max().item()))

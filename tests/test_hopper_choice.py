@@ -36,17 +36,21 @@ def test_a_long_call_without_gradients_launches_natively(cuda_launcher):
 
 
 @pytest.mark.parametrize("change, want", [
-    (dict(d=64), "head dims 64/64"),
+    (dict(d=80), "head dims 80/80"),
     (dict(dtype=torch.float32), "dtype float32"),
-    (dict(features=("causal", "softcap")), "features ['softcap']"),
-    (dict(l=16001), "lengths L=16001"),
-    (dict(l=2048), "lengths below 4096"),
+    (dict(features=("causal", "bool_mask")), "features ['bool_mask']"),
+    (dict(l=2048), "S=16384 below 4096"),
 ])
 def test_calls_the_hopper_forward_cannot_run_keep_their_launcher(cuda_launcher, change, want):
     inputs = _inputs(**change)
     assert any(want in r for r in hopper_flash.hopper_forward_reasons(inputs, CUDA)), want
     native, why = native_decision(inputs, CUDA, None, "auto", grad=False)
     assert "Hopper" not in why
+
+
+@pytest.mark.parametrize("change", [dict(d=64), dict(l=16001, s=9000), dict(features=("sliding_window", "softcap"))])
+def test_head_dim_64_windows_soft_caps_and_partial_tiles_take_the_hopper_forward(cuda_launcher, change):
+    assert hopper_flash.hopper_forward_reasons(_inputs(**change), CUDA) == []
 
 
 def test_deterministic_mode_keeps_jax_cudnn(cuda_launcher):

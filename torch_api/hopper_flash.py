@@ -1,13 +1,20 @@
 """The Hopper flash kernels (Pallas Mosaic GPU: `flash_fwd_mgpu`, `flash_bwd_mgpu`) launched from torch.
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
-sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, GQA, no bias,
-mask, dropout, soft cap, window or sinks, lengths in whole tiles, eager (not compiled or captured), and
-query and key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients), below which
-the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels"). Automatic launch
+sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, sliding
+windows, a logits soft cap, GQA, no bias, mask, dropout, sinks or packing, eager (not compiled or
+captured), and query and key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with
+gradients), below which the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels").
+Without gradients, head dim 64 too (the forward kernel with 256-key blocks). Automatic launch
 (`launch.native_decision`) keeps its choice of JAX's cuDNN for long calls that need gradients (its
 backward is faster than ours); a prepared call without gradients that `hopper_forward_reasons`
 accepts launches natively, and so runs the Hopper forward.
+
+Any lengths: the kernels move whole tiles (128 query rows, 128 keys serve both; 256 keys in the
+head-dim-64 forward), so a tensor whose length is not a whole number of tiles is copied once into a
+zero-padded buffer (the copy a non-contiguous layout takes anyway), the kernels get the true key
+count and mask the padded keys, padded query rows get LSE +inf and delta 0 in the backward (so they
+add nothing), and the results are views of the true rows. Whole tiles keep the zero-copy views.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
 run; `torch.use_deterministic_algorithms(True)` keeps such calls on the Triton kernels.
@@ -29,10 +36,34 @@ from ..jax_core.kernels.flash_plan import FlashConfig
 #: at (8, 16, 2048); forward + backward 4764 vs 4910 us at (2, 16, 8192), 3325 vs 2653 us at
 #: (4, 16, 4096). The per-program walk of the Hopper backward pays off only over long sequences.
 HOPPER_MIN_LENGTH = dict(forward=4096, train=8192)
-_ROWS, _KEYS = 128, 128  # whole tiles of both kernels (`jax_core.calls.HOPPER_TILES`)
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
+#: Head dims of the kernels, forward only and with gradients (the head-dim-64 backward measured
+#: slower than cuDNN's and the Triton kernels', BENCHMARKS.md "Hopper kernels").
+_HEAD_DIMS = dict(forward=(64, 128), train=(128,))
+#: jax_core features (`AttentionInputs.features`) the kernels take.
+_FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap"})
+
+
+def _reasons(dtype_name: str, d: int, dv: int, hq: int, hk: int, l: int, s: int, grad: bool) -> list[str]:
+    """What keeps a call of these sizes off the Hopper kernels, features aside (`hopper_reasons`,
+    `hopper_forward_reasons`)."""
+    reasons = []
+    kind = "train" if grad else "forward"
+    if dtype_name not in ("bfloat16", "float16"):
+        reasons.append(f"dtype {dtype_name}: the Hopper kernels take bfloat16 or float16")
+    if d != dv or d not in _HEAD_DIMS[kind]:
+        reasons.append(f"head dims {d}/{dv}: the Hopper kernels run head dims {_HEAD_DIMS[kind]}"
+                       f"{' with gradients' if grad else ''}")
+    if hq % hk:
+        reasons.append(f"num_q_heads={hq} is not a multiple of num_kv_heads={hk}")
+    if min(l, s) < HOPPER_MIN_LENGTH[kind]:
+        reasons.append(f"lengths L={l}, S={s} below {HOPPER_MIN_LENGTH[kind]}{' with gradients' if grad else ''}: "
+                       "the Triton kernels measured faster")
+    if torch.are_deterministic_algorithms_enabled():
+        reasons.append("deterministic algorithms are on, and the Hopper backward adds dQ in varying order")
+    return reasons
 
 
 def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> list[str]:
@@ -41,90 +72,94 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
 
     q (B, Hq, L, D), k (B, Hk, S, D), v (B, Hk, S, Dv) as the native launcher takes them (no bias,
     mask, sinks or packing: the caller checks those)."""
-    reasons = []
     (_, hq, l, d), (hk, s), dv = q.shape, k.shape[1:3], v.shape[-1]
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        reasons.append(f"dtype {q.dtype}: the Hopper kernels take bfloat16 or float16")
-    if d != 128 or dv != 128:
-        reasons.append(f"head dims {d}/{dv}: the Hopper kernels run head dim 128")
-    if cfg.window != (-1, -1) or cfg.softcap is not None or cfg.dropout_p or cfg.varlen is not None:
-        reasons.append("window, soft cap, dropout or varlen: the Hopper backward has none of them yet")
-    if l % _ROWS or s % _KEYS:
-        reasons.append(f"lengths L={l}, S={s}: the Hopper kernels take multiples of {_ROWS}")
-    if hq % hk:
-        reasons.append(f"num_q_heads={hq} is not a multiple of num_kv_heads={hk}")
-    least = HOPPER_MIN_LENGTH["train" if grad else "forward"]
-    if min(l, s) < least:
-        reasons.append(f"lengths L={l}, S={s} below {least}{' with gradients' if grad else ''}: the Triton kernels "
-                       "measured faster")
-    if torch.are_deterministic_algorithms_enabled():
-        reasons.append("deterministic algorithms are on, and the Hopper backward adds dQ in varying order")
-    if not reasons:
-        reasons += mosaic_reasons(q.device)
-    return reasons
-
-
-#: The jax_core features (`AttentionInputs.features`) of calls the Hopper kernels run.
-_FEATURES = frozenset({"causal", "causal_bottom_right", "gqa"})
+    same = k.dtype == q.dtype and v.dtype == q.dtype
+    reasons = _reasons(str(q.dtype).removeprefix("torch.") if same else "mixed", d, dv, hq, hk, l, s, grad)
+    if cfg.dropout_p or cfg.varlen is not None:
+        reasons.append("dropout or varlen: the Hopper kernels have neither")
+    return reasons or mosaic_reasons(q.device)
 
 
 def hopper_forward_reasons(inputs: AttentionInputs, device: torch.device) -> list[str]:
     """Why the Hopper forward would not run a call described by `inputs` without gradients (empty when it
     would): what `hopper_reasons(..., grad=False)` asks of the tensors, from the call's description,
     for automatic launch to ask before it chooses a launcher."""
-    if device.type != "cuda" or min(inputs.q_len, inputs.kv_len) < HOPPER_MIN_LENGTH["forward"]:
-        return [f"not CUDA, or lengths below {HOPPER_MIN_LENGTH['forward']}"]
-    reasons = []
-    if inputs.dtype not in ("bfloat16", "float16") or inputs.head_dim != 128 or inputs.value_head_dim != 128:
-        reasons.append(f"dtype {inputs.dtype}, head dims {inputs.head_dim}/{inputs.value_head_dim}: the Hopper "
-                       "kernels take bfloat16 or float16 at head dim 128")
+    if device.type != "cuda":
+        return [f"Mosaic GPU kernels run on CUDA devices (device {device})"]
+    reasons = _reasons(inputs.dtype, inputs.head_dim, inputs.value_head_dim, inputs.num_q_heads,
+                       inputs.num_kv_heads, inputs.q_len, inputs.kv_len, grad=False)
     if inputs.features - _FEATURES:
         reasons.append(f"features {sorted(inputs.features - _FEATURES)}: the Hopper kernels have none of them")
-    if inputs.q_len % _ROWS or inputs.kv_len % _KEYS or inputs.num_q_heads % inputs.num_kv_heads:
-        reasons.append(f"lengths L={inputs.q_len}, S={inputs.kv_len} or heads {inputs.num_q_heads}/"
-                       f"{inputs.num_kv_heads}: not whole tiles of {_ROWS}, or not GQA")
-    if torch.are_deterministic_algorithms_enabled():
-        reasons.append("deterministic algorithms are on")
     return reasons or mosaic_reasons(device)
 
 
-def _kernel_views(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
-    """(B, H, T, D) tensors as the kernels' (batch, T, heads, D) arrays without a copy where possible, and
-    whether they were folded: (B, H, T, D) memory itself, with equal head counts, passes as (B*H, T, 1, D)
-    (attention per (batch, head) pair); (B, T, H, D) memory seen transposed passes as is; anything else
-    is copied to (B, T, H, D)."""
+def _whole(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+def _kernel_views(tensors: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) -> tuple[list[torch.Tensor], bool]:
+    """(B, H, T, D) tensors as the kernels' (batch, T', heads, D) arrays of T' = `lengths` rows (whole
+    tiles), and whether they were folded: (B, H, T, D) memory itself, with equal head counts, passes as
+    (B*H, T', 1, D) (attention per (batch, head) pair); (B, T, H, D) memory seen transposed passes as
+    is; anything else is copied to (B, T', H, D). No copy where T = T' and the memory fits; otherwise
+    one copy, into a buffer whose rows T.. are zeros."""
     heads = {t.shape[1] for t in tensors}
     if len(heads) == 1 and all(t.is_contiguous() for t in tensors):
-        return [t.reshape(t.shape[0] * t.shape[1], t.shape[2], 1, t.shape[3]) for t in tensors], True
-    return [t.transpose(1, 2).contiguous() for t in tensors], False
+        return [_padded(t, n, 2).reshape(t.shape[0] * t.shape[1], n, 1, t.shape[3])
+                for t, n in zip(tensors, lengths)], True
+    return [_padded(t.transpose(1, 2), n, 1).contiguous() for t, n in zip(tensors, lengths)], False
+
+
+def _padded(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """t with zero rows appended along `dim` up to n: t itself when it has n, else one copy."""
+    if t.shape[dim] == n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    out = t.new_empty(shape)  # contiguous
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    out.narrow(dim, t.shape[dim], n - t.shape[dim]).zero_()
+    return out
 
 
 def _torch_view(x: torch.Tensor, like: torch.Tensor, folded: bool) -> torch.Tensor:
-    """A kernel result of (batch, T, heads, D) back in `like`'s (B, H, T, D) shape."""
-    return x.view(like.shape) if folded else x.transpose(1, 2)
+    """A kernel result of (batch, T', heads, D) back in `like`'s (B, H, T, D) shape (its first T rows)."""
+    b, h, t, d = like.shape
+    if folded:
+        return x.view(b, h, x.shape[1], d)[:, :, :t]
+    return x[:, :t].transpose(1, 2)
 
 
-def _static(cfg: FlashConfig) -> dict:
-    return dict(scale=float(cfg.scale), causal=bool(cfg.causal), diag_offset=int(cfg.diag_offset))
+def _static(cfg: FlashConfig, kv_len: int) -> dict:
+    window = None if tuple(cfg.window) == (-1, -1) else tuple(int(w) for w in cfg.window)
+    return dict(scale=float(cfg.scale), causal=bool(cfg.causal), diag_offset=int(cfg.diag_offset), window=window,
+                softcap=None if cfg.softcap is None else float(cfg.softcap), kv_len=int(kv_len))
 
 
 def hopper_forward(q, k, v, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient."""
-    (kq, kk, kv), folded = _kernel_views(q, k, v)
-    out, lse = _FORWARD(kq, kk, kv, **_static(cfg))
-    return _torch_view(out, q, folded), lse.view(q.shape[:3])
+    l, s = q.shape[2], k.shape[2]
+    rows, keys = (_whole(n, tile) for n, tile in zip((l, s), calls.hopper_tile_lengths(q.shape[-1], backward=False)))
+    (kq, kk, kv), folded = _kernel_views((q, k, v), (rows, keys, keys))
+    out, lse = _FORWARD(kq, kk, kv, **_static(cfg, s))
+    return _torch_view(out, q, folded), lse.view(*q.shape[:2], rows)[..., :l]
 
 
 def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in (B, H, T, D) shapes of the inputs' dtype, from the forward's out and lse."""
     dout = dout.to(q.dtype)
-    (kq, kk, kv, kdo), folded = _kernel_views(q, k, v, dout)
+    l, s = q.shape[2], k.shape[2]
+    rows, keys = (_whole(n, tile) for n, tile in zip((l, s), calls.hopper_tile_lengths(q.shape[-1], backward=True)))
+    (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
     delta = (out.float() * dout.float()).sum(-1)  # rowsum(dO * O): (B, Hq, L)
     lse_log2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E)
-    rows = kq.shape[:3]  # the kernels' (batch, heads, T) order of the row vectors
-    delta, lse_log2 = (x.reshape(rows[0], rows[2], rows[1]) for x in (delta, lse_log2))
+    # Padded query rows: LSE +inf (probabilities 0) and delta 0, so that they add nothing to dK, dV.
+    delta, lse_log2 = (torch.nn.functional.pad(x, (0, rows - l), value=fill) for x, fill in ((delta, 0.0),
+                                                                                             (lse_log2, torch.inf)))
+    batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
+    delta, lse_log2 = (x.reshape(batch, heads, rows) for x in (delta, lse_log2))
     accum = torch.zeros(kq.shape, dtype=torch.float32, device=q.device)
-    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_static(cfg))
+    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_static(cfg, s))
     return _torch_view(dq.to(q.dtype), q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
 
 

@@ -448,7 +448,7 @@ class NativeFlash(PreparedTritonCall):
                 and not recorded()):
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             # The cheap tests first: most calls (decoding, short prefills) stop at the lengths.
-            if (q.is_cuda and q.shape[-1] == 128 and min(q.shape[2], k.shape[2]) >= min(HOPPER_MIN_LENGTH.values())
+            if (q.is_cuda and q.shape[-1] in (64, 128) and min(q.shape[2], k.shape[2]) >= min(HOPPER_MIN_LENGTH.values())
                     and not hopper_reasons(q, k, v, self.cfg, grad)):
                 return hopper_flash(q, k, v, self.cfg, grad)
             kernel = _entries(q, k)["fwd"]

@@ -9,7 +9,12 @@ Arrays, (batch, length, heads, head dim) as TMA wants them:
     delta (B, Hq, L) float32: rowsum(dO * O), from `backward_operands`.
     dq_accum (B, L, Hq, D) float32: zeros the kernel adds scale * dS K into (see below).
 Returns dq_accum (the same buffer, now holding dQ in float32), dk and dv (B, S, Hk, D) in q's dtype.
-L must be a multiple of block_q and S of 2 * block_kv: there are no masked edge tiles.
+Any L, S >= 1: TMA moves whole tiles only, so `flash_backward_mgpu` pads q and do with zero rows to
+a multiple of block_q (with lse_log2 +inf and delta 0 there, so that padded rows contribute nothing)
+and k, v to a multiple of 2 * block_kv (a copy only when a length is not one already), runs the
+kernel with the true key count `kv_len` and slices dq, dk, dv back. `flash_backward_mgpu_tiles` is
+the bare kernel call on whole tiles, for launchers (such as `plgpu.as_torch_kernel`) that pad
+themselves.
 
 One program (a CUDA block of three warpgroups) owns 2 * block_kv keys of one KV head and walks the
 query blocks of every query head of its group that see them:
@@ -25,8 +30,16 @@ query blocks of every query head of its group that see them:
     * dQ: every program adds its partial dQ into dq_accum by a TMA reduce-add (float32, in L2).
       The sum is therefore not bit-reproducible run to run (the order of the adds varies); the
       Triton kernels remain the deterministic backward.
-Causal: query row i sees keys j <= i + diag_offset. Query blocks wholly before a program's first
-visible row are never loaded; only blocks that cross the program's diagonal are masked.
+Features, compiled in (none of them costs anything when unused), as in the forward:
+    * causal and sliding window `window=(left, right)` (-1: unbounded side): query row i sees keys
+      i + diag_offset - left <= j <= i + diag_offset + right (causal: right = 0). A program walks
+      only the query blocks that see some of its keys and masks only those that cross a band edge
+      (leading masked blocks, an unmasked middle, trailing masked blocks); keys from kv_len on are
+      masked in the one program that holds some.
+    * logits soft cap: s -> softcap * tanh(scale * s / softcap); dS takes the factor 1 - tanh^2,
+      tanh recomputed from S^T. The LSE must be the forward's with the same cap.
+    * attention sinks need nothing in the kernel (the forward's LSE includes them); their gradient
+      is `sinks_gradient`, plain JAX ops like `backward_operands`.
 """
 
 from __future__ import annotations
@@ -42,11 +55,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-COMPUTE_WGS = 2
+from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
+from .flash_mgpu_checks import (check_arrays, check_backward_operands, check_blocks, check_features,
+                                check_whole_tiles)
+
 LOG2E = math.log2(math.e)
-#: Shared memory one thread block may use on sm90, and what the kernel keeps free of its buffers.
-SMEM_BYTES = 232448
-SMEM_RESERVE = 4096
 
 
 def backward_operands(out, do, lse):
@@ -54,6 +67,18 @@ def backward_operands(out, do, lse):
     delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
     lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
     return lse_log2, delta
+
+
+def sinks_gradient(sinks, lse, delta):
+    """d loss / d sinks, (Hq,) float32, from the sinks (Hq,), the forward's lse (B, Hq, L) (natural
+    log, the sink included) and delta (B, Hq, L) from `backward_operands`.
+
+    The sink's weight in row i is exp(sink - lse_i) and its logit reaches the output only through the
+    normaliser, so d loss / d sink = -sum_i exp(sink - lse_i) * delta_i. A row with lse -inf (a -inf
+    sink and no key) contributes 0."""
+    weight = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    weight = jnp.where(jnp.isneginf(lse), 0.0, weight)
+    return -jnp.einsum("bhl,bhl->h", weight, delta.astype(jnp.float32))
 
 
 def _splits_dq(d):
@@ -74,71 +99,82 @@ def smem_bytes(d, itemsize, *, block_q, block_kv, stages):
     return kv + rings + ds + dq
 
 
-def _check(q, k, v, do, lse_log2, delta, dq_accum, scale, block_q, block_kv, stages):
-    """Raises ValueError naming the argument, its value and what is expected."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
-        if x.ndim != 4:
-            raise ValueError(f"{name}.shape={x.shape}: expected (batch, length, heads, head_dim)")
-        if x.dtype != q.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(f"{name}.dtype={x.dtype}: expected bfloat16 or float16, the same for q, k, v, do")
-    b, l, hq, d = q.shape
-    if do.shape != q.shape:
-        raise ValueError(f"do.shape={do.shape}: expected q's shape {q.shape}")
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k.shape={k.shape}, v.shape={v.shape}: expected both (B={b}, S, Hk, D={d})")
-    if d not in (64, 128):
-        raise ValueError(f"head_dim={d}: expected 64 or 128; hint: use the Triton flash kernel")
-    if hq % k.shape[2]:
-        raise ValueError(f"query heads {hq}, KV heads {k.shape[2]}: expected a multiple (GQA)")
-    for name, x in (("lse_log2", lse_log2), ("delta", delta)):
-        if x.shape != (b, hq, l) or x.dtype != jnp.float32:
-            raise ValueError(f"{name}: shape {x.shape} dtype {x.dtype}, expected float32 (B, Hq, L)={(b, hq, l)}; "
-                             "hint: backward_operands(out, do, lse) makes both")
-    if dq_accum.shape != q.shape or dq_accum.dtype != jnp.float32:
-        raise ValueError(f"dq_accum: shape {dq_accum.shape} dtype {dq_accum.dtype}, expected float32 {q.shape} zeros")
-    if block_q % 64 or block_kv % 64 or block_q <= 0 or block_kv <= 0:
-        raise ValueError(f"block_q={block_q}, block_kv={block_kv}: expected positive multiples of 64 "
-                         "(a wgmma tile is 64 rows)")
-    if stages < 2:
-        raise ValueError(f"stages={stages}: expected at least 2 (one slot loading while one is read)")
+def _check(q, k, v, do, lse_log2, delta, dq_accum, *, scale, diag_offset, window, softcap, block_q, block_kv,
+           stages):
+    """Raises ValueError naming the argument, its value, what is expected and a hint."""
+    check_arrays(q, k, v)
+    check_backward_operands(q, do, lse_log2, delta, dq_accum)
+    check_blocks(block_q, block_kv, stages)
+    d = q.shape[3]
     need = smem_bytes(d, jnp.dtype(q.dtype).itemsize, block_q=block_q, block_kv=block_kv, stages=stages)
     if need > SMEM_BYTES - SMEM_RESERVE:
         raise ValueError(f"stages={stages}, block_q={block_q}, block_kv={block_kv}, head_dim={d}: {need} bytes "
                          f"of shared-memory buffers, expected at most {SMEM_BYTES - SMEM_RESERVE}; hint: fewer "
                          "stages or smaller blocks")
-    if l % block_q:
-        raise ValueError(f"query length L={l}: expected a multiple of block_q={block_q}; "
-                         "hint: pad the queries or use the Triton flash kernel")
-    if k.shape[1] % (COMPUTE_WGS * block_kv):
-        raise ValueError(f"key length S={k.shape[1]}: expected a multiple of 2 * block_kv = "
-                         f"{COMPUTE_WGS * block_kv}; hint: pad the keys or use the Triton flash kernel")
-    if not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale={scale!r}: expected a positive Python float (it is compiled in)")
+    check_features(q.shape[2], scale=scale, diag_offset=diag_offset, window=window, softcap=softcap, sinks=None)
 
 
-def _q_range(kv_start, diag_offset, causal, block_q, num_q_blocks, program_keys):
-    """(first query block, first unmasked query block) of a program whose keys start at kv_start.
+class _Walk(NamedTuple):
+    """The query blocks a program walks per query head: [first, first + per_head), of which
+    [full_lo, full_hi) see all of its keys (no mask) and the others cross a band edge (masked)."""
+    first: object
+    full_lo: object
+    full_hi: object
+    per_head: object
 
-    Row i sees key j iff j <= i + diag_offset: rows before kv_start - diag_offset see none of the
-    program's keys, rows from kv_start + program_keys - 1 - diag_offset on see all of them."""
-    if not causal:
-        return jnp.int32(0), jnp.int32(0)
-    first = lax.div(jnp.maximum(kv_start - diag_offset, 0), jnp.int32(block_q))
-    full = pl.cdiv(jnp.maximum(kv_start + program_keys - 1 - diag_offset, 0), jnp.int32(block_q))
-    return jnp.minimum(first, num_q_blocks), jnp.clip(full, first, num_q_blocks)
+
+def _q_range(kv_start, cfg):
+    """The `_Walk` of the program whose keys are [kv_start, kv_start + 2 * block_kv).
+
+    Row i sees key j iff i + diag_offset - left <= j <= i + diag_offset + right: rows before
+    kv_start - diag_offset - right see none of the program's keys (they all lie right of the band),
+    nor do rows after its last real key - diag_offset + left; rows from its last key - diag_offset -
+    right on clear the right edge for all of them, rows up to kv_start - diag_offset + left the left."""
+    block_q, n = jnp.int32(cfg.block_q), cfg.num_q_blocks
+    program_end = kv_start + COMPUTE_WGS * cfg.block_kv  # one past the program's last key
+    first = jnp.int32(0)
+    if cfg.right is not None:
+        first = jnp.minimum(lax.div(jnp.maximum(kv_start - (cfg.diag_offset + cfg.right), 0), block_q), n)
+    end = jnp.int32(n)
+    if cfg.left is not None:
+        row_end = jnp.minimum(program_end, cfg.kv_len) + (cfg.left - cfg.diag_offset)  # rows < this see a key
+        end = jnp.clip(pl.cdiv(jnp.maximum(row_end, 0), block_q), first, n)
+    full_lo = first
+    if cfg.right is not None:
+        full_lo = jnp.clip(pl.cdiv(jnp.maximum(program_end - 1 - (cfg.diag_offset + cfg.right), 0), block_q),
+                           first, end)
+    full_hi = end
+    if cfg.left is not None:
+        full_hi = jnp.clip(lax.div(jnp.maximum(kv_start + (cfg.left - cfg.diag_offset) + 1, 0), block_q),
+                           full_lo, end)
+    if cfg.ragged_end:  # the program holding keys past kv_len masks every block it walks
+        full_lo = jnp.where(program_end > cfg.kv_len, end, full_lo)
+        full_hi = jnp.maximum(full_hi, full_lo)
+    return _Walk(first, full_lo, full_hi, end - first)
 
 
 class _Settings(NamedTuple):
-    """What the kernel compiles in (static): scale, mask rule, tiles, GQA group, query blocks."""
+    """What the kernel compiles in (static): scale, mask rule, tiles, GQA group, query blocks.
+
+    Row i sees keys i + diag_offset - left <= j <= i + diag_offset + right (None: that side
+    unbounded; causal is right = 0) and j < kv_len."""
     scale: float
-    causal: bool
     diag_offset: int
+    left: int | None
+    right: int | None
+    kv_len: int
+    softcap: float | None
     block_q: int
     block_kv: int
     stages: int
     group: int  # query heads per KV head
     num_q_blocks: int
     interpret: object  # interpret-mode parameters, or None on the GPU
+
+    @property
+    def ragged_end(self):
+        """Whether the last program holds padding keys (kv_len and up) to mask."""
+        return self.kv_len % (COMPUTE_WGS * self.block_kv) != 0
 
 
 def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg: _Settings):
@@ -173,17 +209,10 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
     pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, cfg), smem, barriers, collective_axes="wg")
 
 
-def _walk(kv_start, cfg: _Settings):
-    """(first query block, first unmasked one, query blocks per head) of the program at kv_start."""
-    first, full = _q_range(kv_start, cfg.diag_offset, cfg.causal, cfg.block_q, cfg.num_q_blocks,
-                           COMPUTE_WGS * cfg.block_kv)
-    return first, full, cfg.num_q_blocks - first
-
-
 def _warpgroups(refs, bufs, bars, cfg: _Settings):
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_start = lax.axis_index("kv_blocks") * (COMPUTE_WGS * cfg.block_kv)
-    walk = _walk(kv_start, cfg)
+    walk = _q_range(kv_start, cfg)
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
@@ -200,7 +229,7 @@ def _memory(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, walk):
     block_q, stages, group = cfg.block_q, cfg.stages, cfg.group
     q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
     _, _, q_smem, do_smem, lse_smem, delta_smem = bufs[:6]
-    first, _, per_head = walk
+    first, per_head = walk.first, walk.per_head
     steps = group * per_head
 
     @pl.loop(0, steps)
@@ -286,7 +315,7 @@ def _mma(*terms, on_gpu):
 
 
 def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, walk):
-    scale, causal, diag_offset, interpret = cfg.scale, cfg.causal, cfg.diag_offset, cfg.interpret
+    scale, interpret = cfg.scale, cfg.interpret
     block_q, block_kv, stages, group = cfg.block_q, cfg.block_kv, cfg.stages, cfg.group
     _, k_ref, v_ref, _, _, _, dq_ref, dk_ref, dv_ref = refs
     k_all, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_all, dq_smem = bufs
@@ -294,9 +323,10 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, 
     d, dtype = k_smem.shape[-1], k_smem.dtype
     split = _splits_dq(d)
     on_gpu = interpret is None
-    scale_log2 = scale * LOG2E
+    # With a soft cap the exponent is softcap * log2(e) * tanh(scale / softcap * s) (as in the forward).
+    scale_log2 = (scale if cfg.softcap is None else cfg.softcap) * LOG2E
     keys = kv_start + wg * block_kv
-    first, full, per_head = walk
+    first, per_head = walk.first, walk.per_head
 
     kv_block = (batch, pl.ds(keys, block_kv), kv_head)
     plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["kv_ready"].at[wg])
@@ -318,14 +348,13 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, 
         s_t, dp_t = _mma(((block_kv, block_q), k_smem, _T(q_slot)), ((block_kv, block_q), v_smem, _T(do_slot)),
                          on_gpu=on_gpu)
         lse = _load_vector(lse_smem.at[slot], on_gpu=on_gpu)
+        s_t, cap_grad = _soft_cap(s_t, cfg)
         p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-        if masked:  # key `keys + r` is hidden from query `rows + c` when it lies past its diagonal
-            r = _iota(s_t.shape, 0, on_gpu=on_gpu)
-            c = _iota(s_t.shape, 1, on_gpu=on_gpu)
-            p_t = jnp.where(c + (rows + diag_offset) >= r + keys, p_t, 0.0)
+        if masked:
+            p_t = _hide(p_t, rows, keys, cfg, on_gpu=on_gpu)
         plgpu.barrier_wait(bars["delta_ready"].at[slot])
         delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
-        ds16 = ((p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+        ds16 = _capped((p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])), cap_grad).astype(dtype)
         p16 = p_t.astype(dtype)
         dq_rows = (batch, pl.ds(rows, block_q), head)
         if not split:
@@ -365,12 +394,17 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, 
 
     zeros = _layout(jnp.zeros((block_kv, d), jnp.float32), on_gpu=on_gpu)
     carry = (zeros, zeros)
-    masked_steps = full - first  # per head: the first query blocks cross the diagonal
+    # Per head, steps [0, lo) and [hi, per_head) cross a band edge (or hold keys past kv_len).
+    lo, hi = walk.full_lo - first, walk.full_hi - first
 
     def head_walk(g, carry):
         base = g * per_head
-        carry = lax.fori_loop(base, base + masked_steps, functools.partial(q_step, masked=True), carry)
-        return lax.fori_loop(base + masked_steps, base + per_head, functools.partial(q_step, masked=False), carry)
+        if cfg.right is not None or cfg.ragged_end:
+            carry = lax.fori_loop(base, base + lo, functools.partial(q_step, masked=True), carry)
+        carry = lax.fori_loop(base + lo, base + hi, functools.partial(q_step, masked=False), carry)
+        if cfg.left is not None:
+            carry = lax.fori_loop(base + hi, base + per_head, functools.partial(q_step, masked=True), carry)
+        return carry
 
     dk, dv = lax.fori_loop(0, group, head_walk, carry)
     if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
@@ -384,6 +418,34 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, 
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
     plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _hide(p_t, rows, keys, cfg: _Settings, *, on_gpu):
+    """p_t (keys [keys, keys + block_kv) x query rows [rows, rows + block_q)) with 0 where the key is
+    hidden from the row: outside its band, or at kv_len and beyond (padding)."""
+    r = _iota(p_t.shape, 0, on_gpu=on_gpu)
+    c = _iota(p_t.shape, 1, on_gpu=on_gpu)
+    if cfg.right is not None:  # key `keys + r` lies right of query `rows + c`'s band
+        p_t = jnp.where(c + (rows + (cfg.diag_offset + cfg.right)) >= r + keys, p_t, 0.0)
+    if cfg.left is not None:
+        p_t = jnp.where(r + keys >= c + (rows + (cfg.diag_offset - cfg.left)), p_t, 0.0)
+    if cfg.ragged_end:
+        p_t = jnp.where(r + keys < cfg.kv_len, p_t, 0.0)
+    return p_t
+
+
+def _soft_cap(s_t, cfg: _Settings):
+    """(what the exponent scales, what dS is multiplied by): (s_t, None) without a cap; with one,
+    t = tanh(scale / softcap * s_t) and d(softcap * t) / d(scale * s_t) = 1 - t^2."""
+    if cfg.softcap is None:
+        return s_t, None
+    t = jnp.tanh(s_t * (cfg.scale / cfg.softcap))
+    return t, 1.0 - t * t
+
+
+def _capped(ds, cap_grad):
+    """dS through the soft cap's tanh (ds itself without a cap)."""
+    return ds if cap_grad is None else ds * cap_grad
 
 
 def _iota(shape, dim, *, on_gpu):
@@ -408,20 +470,86 @@ def _store_dq(dq, dq_smem, dq_gmem, *, on_gpu):
     plgpu.wait_smem_to_gmem(0)
 
 
-def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, diag_offset=0, block_q=64,
-                        block_kv=64, stages=2, interpret=None):
-    """(dq_accum + dQ, dK, dV) of softmax(scale * q k^T [causal]) v; see the module docstring.
+def padded_lengths(l, s, *, block_q=64, block_kv=64):
+    """(L, S) rounded up to the kernel's whole tiles: block_q query rows, 2 * block_kv keys."""
+    keys = COMPUTE_WGS * block_kv
+    return pl.cdiv(l, block_q) * block_q, pl.cdiv(s, keys) * keys
 
-    One Mosaic GPU kernel call and nothing else, so that `plgpu.as_torch_kernel` can launch a function
-    that calls this on torch tensors (dq_accum is then updated in place). `interpret`: Mosaic GPU
-    interpret-mode parameters to run on a CPU, or None to compile for the GPU."""
-    _check(q, k, v, do, lse_log2, delta, dq_accum, scale, block_q, block_kv, stages)
-    b, l, hq, d = q.shape
+
+def _pad(x, length, axis, value=0):
+    """x with `value` appended along `axis` up to `length` (x itself when it has that length)."""
+    if x.shape[axis] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, diag_offset=0, block_q=64,
+                        block_kv=64, stages=2, window=None, softcap=None, interpret=None):
+    """(dq_accum + dQ, dK, dV) of softmax(scale * q k^T [causal, window, soft cap]) v, any L, S >= 1;
+    see the module docstring.
+
+    Pads to whole tiles (no copy when they are whole already: then this is one Mosaic GPU kernel
+    call and nothing else, so that `plgpu.as_torch_kernel` can launch it on torch tensors, dq_accum
+    updated in place), runs the kernel and slices the padding off. `window`: (left, right), -1
+    unbounded, or None. `softcap`: float or None (lse_log2 must then be the capped forward's).
+    `interpret`: Mosaic GPU interpret-mode parameters to run on a CPU, or None to compile for the GPU."""
+    _check(q, k, v, do, lse_log2, delta, dq_accum, scale=scale, diag_offset=diag_offset, window=window,
+           softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages)
+    l, s = q.shape[1], k.shape[1]
+    rows, keys = padded_lengths(l, s, block_q=block_q, block_kv=block_kv)
+    # Padded query rows: zero q and do, +inf LSE (their probabilities are 0) and zero delta, so they
+    # add nothing to dK, dV; padded keys (zero K, V) are masked as keys >= kv_len.
+    q, do, dq_accum = (_pad(x, rows, 1) for x in (q, do, dq_accum))
+    lse_log2, delta = _pad(lse_log2, rows, 2, jnp.inf), _pad(delta, rows, 2)
+    k, v = _pad(k, keys, 1), _pad(v, keys, 1)
+    dq, dk, dv = _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
+        q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, kv_len=s,
+        block_q=block_q, block_kv=block_kv, stages=stages, interpret=interpret))
+    if rows != l:
+        dq = dq[:, :l]
+    if keys != s:
+        dk, dv = dk[:, :s], dv[:, :s]
+    return dq, dk, dv
+
+
+def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, kv_len=None, diag_offset=0,
+                              block_q=64, block_kv=64, stages=2, window=None, softcap=None, interpret=None):
+    """`flash_backward_mgpu` on whole tiles: L a multiple of block_q, S of 2 * block_kv (see
+    `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding. Padded query rows
+    must hold lse_log2 = +inf and delta = 0 (they then add nothing to dK, dV; their dQ is computed
+    and left to the caller to drop); padding must be finite (zeros, say). One Mosaic GPU kernel call
+    and nothing else, so that `plgpu.as_torch_kernel` can launch a function that calls this on torch
+    tensors."""
+    _check(q, k, v, do, lse_log2, delta, dq_accum, scale=scale, diag_offset=diag_offset, window=window,
+           softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages)
+    kv_len = k.shape[1] if kv_len is None else kv_len
+    check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv, rows=("block_q", block_q),
+                      keys=("2 * block_kv", COMPUTE_WGS * block_kv), caller="flash_backward_mgpu")
+    return _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
+        q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
+        kv_len=int(kv_len), block_q=block_q, block_kv=block_kv, stages=stages, interpret=interpret))
+
+
+def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, block_q, block_kv, stages, interpret):
+    """The kernel's static settings for checked arguments on whole tiles."""
+    left, right = (-1, -1) if window is None else window
+    if causal:
+        right = 0
+    return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
+                     right=None if right < 0 else int(right), kv_len=kv_len,
+                     softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
+                     stages=stages, group=q.shape[2] // k.shape[2], num_q_blocks=q.shape[1] // block_q,
+                     interpret=interpret)
+
+
+def _launch(q, k, v, do, lse_log2, delta, dq_accum, *, cfg: _Settings):
+    """The kernel call on whole tiles (arguments checked)."""
+    b = q.shape[0]
     s, hk = k.shape[1], k.shape[2]
-    num_q_blocks = l // block_q
-    cfg = _Settings(scale=float(scale), causal=bool(causal), diag_offset=int(diag_offset), block_q=block_q,
-                    block_kv=block_kv, stages=stages, group=hq // hk, num_q_blocks=num_q_blocks, interpret=interpret)
-    mesh = plgpu.Mesh(grid=(hk, s // (COMPUTE_WGS * block_kv), b), grid_names=("kv_heads", "kv_blocks", "batch"),
+    interpret = cfg.interpret
+    mesh = plgpu.Mesh(grid=(hk, s // (COMPUTE_WGS * cfg.block_kv), b), grid_names=("kv_heads", "kv_blocks", "batch"),
                       num_threads=COMPUTE_WGS + 1, thread_name="wg")
     grads_kv = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     kernel = functools.partial(pl.kernel, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True))

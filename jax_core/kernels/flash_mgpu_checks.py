@@ -1,4 +1,4 @@
-"""Argument checks of the Pallas Mosaic GPU flash forward (flash_fwd_mgpu.py).
+"""Argument checks of the Pallas Mosaic GPU flash kernels (flash_fwd_mgpu.py, flash_bwd_mgpu.py).
 
 Every check raises a ValueError that names the argument, its value, what is expected and a hint.
 Imports only JAX (for dtypes); no kernel code, so the kernel module stays about the kernel.
@@ -39,13 +39,18 @@ def check_arrays(q, k, v):
         raise ValueError(f"query heads {hq}, KV heads {k.shape[2]}: expected a multiple (GQA)")
 
 
-def check_tiling(d, itemsize, block_q, block_kv, stages):
-    """Tile sizes, pipeline depth and the shared memory they take."""
+def check_blocks(block_q, block_kv, stages):
+    """Tile sizes and pipeline depth (both kernels)."""
     if block_q % 64 or block_kv % 64 or block_q <= 0 or block_kv <= 0:
         raise ValueError(f"block_q={block_q}, block_kv={block_kv}: expected positive multiples of 64 "
                          "(a wgmma tile is 64 rows)")
     if stages < 2:
         raise ValueError(f"stages={stages}: expected at least 2 (one slot loading while one is read)")
+
+
+def check_tiling(d, itemsize, block_q, block_kv, stages):
+    """The forward's tile sizes, pipeline depth and the shared memory they take."""
+    check_blocks(block_q, block_kv, stages)
     # Q/O tiles and the K and V rings; barriers and Mosaic's own scratch take a few KiB more (an
     # H100 run of D=128, block_kv=128, stages=3: 229,888 bytes of buffers, 232,568 in all).
     buffers = itemsize * (COMPUTE_WGS * block_q * d + 2 * stages * block_kv * d)
@@ -55,18 +60,23 @@ def check_tiling(d, itemsize, block_q, block_kv, stages):
                          f"less {SMEM_RESERVE} for barriers and scratch); hint: fewer stages or a smaller block_kv")
 
 
-def check_whole_tiles(l, s, kv_len, block_q, block_kv):
-    """The kernel itself streams whole tiles: L a multiple of 2 * block_q, S of block_kv, and
-    kv_len (the true key count, keys past it masked) within the last key tile."""
-    if l % (COMPUTE_WGS * block_q):
-        raise ValueError(f"query length L={l}: expected a multiple of 2 * block_q = {COMPUTE_WGS * block_q}; "
-                         "hint: flash_forward_mgpu pads the queries itself")
-    if s % block_kv:
-        raise ValueError(f"key length S={s}: expected a multiple of block_kv={block_kv}; "
-                         "hint: flash_forward_mgpu pads the keys (and masks them) itself")
-    if not (isinstance(kv_len, numbers.Integral) and s - block_kv < kv_len <= s):
-        raise ValueError(f"kv_len={kv_len!r}: expected an int in ({s - block_kv}, {s}] (the true key count "
-                         f"of keys padded to S={s}, less than one block_kv={block_kv} of padding)")
+def check_whole_tiles(l, s, kv_len, block_q, block_kv, *, rows=None, keys=None, caller="flash_forward_mgpu"):
+    """The kernels themselves stream whole tiles: L a multiple of `rows` (the forward: 2 * block_q,
+    the default), S of `keys` (the forward: block_kv, the default), and kv_len (the true key count,
+    keys past it masked) within the last key tile. `caller`: the padding entry the hints name."""
+    rows = ("2 * block_q", COMPUTE_WGS * block_q) if rows is None else rows
+    keys = ("block_kv", block_kv) if keys is None else keys
+    if l % rows[1]:
+        equals = f"{rows[0]} = {rows[1]}" if "*" in rows[0] else f"{rows[0]}={rows[1]}"
+        raise ValueError(f"query length L={l}: expected a multiple of {equals}; hint: {caller} pads the "
+                         "queries itself")
+    if s % keys[1]:
+        equals = f"{keys[0]} = {keys[1]}" if "*" in keys[0] else f"{keys[0]}={keys[1]}"
+        raise ValueError(f"key length S={s}: expected a multiple of {equals}; hint: {caller} pads the keys "
+                         "(and masks them) itself")
+    if isinstance(kv_len, bool) or not (isinstance(kv_len, numbers.Integral) and s - keys[1] < kv_len <= s):
+        raise ValueError(f"kv_len={kv_len!r}: expected an int in ({s - keys[1]}, {s}] (the true key count "
+                         f"of keys padded to S={s}, less than one {keys[0]}={keys[1]} of padding)")
 
 
 def check_features(hq, *, scale, diag_offset, window, softcap, sinks):
@@ -91,3 +101,19 @@ def check_features(hq, *, scale, diag_offset, window, softcap, sinks):
         if shape != (hq,) or dtype != jnp.float32:
             raise ValueError(f"sinks of shape {shape} and dtype {dtype}: expected a float32 array of shape "
                              f"(Hq,) = ({hq},), one sink logit per query head; hint: sinks.astype(jnp.float32)")
+
+
+def check_backward_operands(q, do, lse_log2, delta, dq_accum):
+    """The backward's operands beside q, k, v: do like q, lse_log2 and delta (B, Hq, L) float32,
+    dq_accum float32 of q's shape."""
+    if do.shape != q.shape or do.dtype != q.dtype:
+        raise ValueError(f"do: shape {do.shape} dtype {do.dtype}, expected q's shape {q.shape} and dtype {q.dtype}; "
+                         "hint: cast the output gradient to the inputs' dtype")
+    b, l, hq, _ = q.shape
+    for name, x in (("lse_log2", lse_log2), ("delta", delta)):
+        if x.shape != (b, hq, l) or x.dtype != jnp.float32:
+            raise ValueError(f"{name}: shape {x.shape} dtype {x.dtype}, expected float32 (B, Hq, L)={(b, hq, l)}; "
+                             "hint: backward_operands(out, do, lse) makes both")
+    if dq_accum.shape != q.shape or dq_accum.dtype != jnp.float32:
+        raise ValueError(f"dq_accum: shape {dq_accum.shape} dtype {dq_accum.dtype}, expected float32 {q.shape}; "
+                         "hint: jnp.zeros(q.shape, jnp.float32)")
