@@ -299,3 +299,27 @@ def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dty
     floor = 2e-2 if softcap is not None else 4e-3
     for name, got, ref, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, dq, dk, dv), (low, *low_grads)):
         assert_dtype_rule(name, got.double(), ref, theirs.double(), floor=floor * max(1.0, ref.abs().max().item()))
+
+
+@pytest.mark.parametrize("layout", ["BHLD", "BLHD", "strided-dout"])
+def test_delta_is_the_rowsum_of_dout_times_out(layout):
+    """The backward's delta (`_delta`, the Triton delta kernel: under TRITON_INTERPRET=1 on the CPU)
+    against a float64 rowsum, for the memory layouts the drop-in hands it."""
+    from jaxattn.bridge.triton_launch import can_launch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not can_launch(torch.device(device)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    b, h, l, d = 2, 3, 97, 80
+    out, dout = (torch.randn(b, l, h, d, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    if layout == "BHLD":
+        out, dout = (x.transpose(1, 2).contiguous() for x in (out, dout))
+    else:  # (B, L, H, D) memory seen as (B, H, L, D)
+        out, dout = (x.transpose(1, 2) for x in (out, dout))
+    if layout == "strided-dout":
+        dout = torch.randn(b, h, l, 2 * d, generator=gen).to(device, torch.bfloat16)[..., ::2]
+    want = (out.double() * dout.double()).sum(-1)
+    got = hopper_flash._delta(out, dout)
+    assert got.dtype == torch.float32 and got.shape == (b, h, l)
+    assert (got.double() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())

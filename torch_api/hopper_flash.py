@@ -27,8 +27,15 @@ from __future__ import annotations
 import torch
 
 from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
+from ..bridge.triton_launch import KernelLaunch
 from ..jax_core import AttentionInputs, calls
-from ..jax_core.kernels.flash_plan import FlashConfig
+from ..jax_core.kernels import flash_plan
+from ..jax_core.kernels.flash_plan import FlashConfig, Operand
+
+try:
+    from ..jax_core.kernels.flash_entries_triton import delta_entry_static
+except ImportError:  # no triton: delta by torch ops
+    delta_entry_static = None
 
 #: Shortest query and key lengths (the smaller of L and S) at which the Hopper kernels run, forward
 #: only and with gradients. `jaxattn bench --full` on an H100 (BENCHMARKS.md "Hopper kernels"), bf16
@@ -151,7 +158,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     l, s = q.shape[2], k.shape[2]
     rows, keys = (_whole(n, tile) for n, tile in zip((l, s), calls.hopper_tile_lengths(q.shape[-1], backward=True)))
     (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
-    delta = (out.float() * dout.float()).sum(-1)  # rowsum(dO * O): (B, Hq, L)
+    delta = _delta(out, dout)
     lse_log2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E)
     # Padded query rows: LSE +inf (probabilities 0) and delta 0, so that they add nothing to dK, dV.
     delta, lse_log2 = (torch.nn.functional.pad(x, (0, rows - l), value=fill) for x, fill in ((delta, 0.0),
@@ -161,6 +168,32 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     accum = torch.zeros(kq.shape, dtype=torch.float32, device=q.device)
     dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_static(cfg, s))
     return _torch_view(dq.to(q.dtype), q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
+
+
+def _delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O) (B, Hq, L) float32, by the Triton flash backward's delta kernel: one pass over
+    both, any strides (float32 copies of both and their product cost about 5% of a long backward)."""
+    if delta_entry_static is None:
+        return (out.float() * dout.float()).sum(-1)
+    key = (tuple(out.shape), _strides(out), _strides(dout), out.dtype, dout.dtype, out.device)
+    launch = _DELTA_LAUNCHES.get(key)
+    if launch is None:
+        planned = flash_plan.delta_launch(Operand(tuple(out.shape), _strides(out)), _strides(dout))
+        launch = KernelLaunch(delta_entry_static, planned.grid, planned.num_warps, planned.num_stages,
+                              ("Out", "dOut", "Delta"), planned.args)
+        if len(_DELTA_LAUNCHES) >= 256:  # one per training shape: a program cycling through more gains nothing
+            _DELTA_LAUNCHES.clear()
+        _DELTA_LAUNCHES[key] = launch
+    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)
+    launch(out, dout, delta)
+    return delta
+
+
+_DELTA_LAUNCHES: dict = {}
 
 
 class _HopperFunction(torch.autograd.Function):
