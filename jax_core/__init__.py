@@ -8,6 +8,7 @@ functions the torch API runs through the bridge, in the layouts it passes.
 
 from . import decode as _decode  # noqa: F401  (registers "decode", "autoregressive_decodeattn")
 from . import flash as _flash  # noqa: F401  (registers "flash", "flash_attn2")
+from . import flash_hopper as _flash_hopper  # noqa: F401  (registers "flash_hopper", "flash_mgpu"; by name only)
 from . import sdpa as _sdpa  # noqa: F401  (registers "sdpa", "cudnn")
 from . import vanilla as _vanilla  # noqa: F401  (registers "vanilla")
 from . import ring as _ring  # noqa: F401  (registers "ring"; chosen when metadata.mesh has the sequence axis)
