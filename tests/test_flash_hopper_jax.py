@@ -210,6 +210,12 @@ def test_refuses_another_gpu_generation_and_a_mesh(monkeypatch):
     assert any("compute capability '8.0'" in r and "'9.0'" in r for r in reasons), reasons
 
 
+def test_refuses_without_mosaic_gpu(monkeypatch):
+    monkeypatch.setattr(flash_hopper_module, "_mosaic_gpu_import_error", lambda: "ImportError: no absl")
+    reasons = AttentionRegistry.get("flash_hopper").not_supported_reasons(_inputs_of())
+    assert any("Mosaic GPU cannot be imported (ImportError: no absl)" in r for r in reasons), reasons
+
+
 def test_several_sinks_per_head_are_refused_with_a_hint():
     q = jnp.zeros((1, 97, 2, 64), jnp.float16)
     k = jnp.zeros((1, 130, 2, 64), jnp.float16)
