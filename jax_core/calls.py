@@ -164,8 +164,8 @@ def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes
 
 # The Hopper kernels (Pallas Mosaic GPU) on whole tiles, each one kernel call and nothing else, as
 # `plgpu.as_torch_kernel` launches them on torch tensors. Arrays are (B, T, H, D); the caller pads
-# lengths to whole tiles (`hopper_tile_lengths`) and passes the
-# true key count `kv_len` (None: every key is real). `window` (left, right) with -1 unbounded, or None;
+# lengths to whole tiles (`hopper_padded_lengths`) and passes the true key count
+# `kv_len` (None: every key is real). `window` (left, right) with -1 unbounded, or None;
 # `softcap` a float or None. The tile settings, per head dim, are the ones measured fastest on an H100
 # (BENCHMARKS.md, "Hopper kernels"): at head dim 64 the forward's 256-key blocks halve the steps of a
 # walk whose products are small.
@@ -175,12 +175,15 @@ HOPPER_TILES = dict(
 )
 
 
-def hopper_tile_lengths(head_dim: int, backward: bool) -> tuple[int, int]:
-    """(query rows, keys) of one whole tile of the Hopper forward (`backward` False) or backward kernel
-    at `head_dim`: lengths the caller pads to (the forward's programs own 2 * block_q rows, the
-    backward's 2 * block_kv keys)."""
+def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool) -> tuple[int, int]:
+    """(L, S) rounded up to whole tiles of the Hopper forward (`backward` False) or backward kernel at
+    `head_dim`, with the tuned tiles: the lengths the caller pads to."""
+    if backward:
+        from .kernels.flash_bwd_mgpu import padded_lengths
+    else:
+        from .kernels.flash_fwd_mgpu import padded_lengths
     tiles = HOPPER_TILES["backward" if backward else "forward"][head_dim]
-    return (tiles["block_q"], 2 * tiles["block_kv"]) if backward else (2 * tiles["block_q"], tiles["block_kv"])
+    return padded_lengths(l, s, block_q=tiles["block_q"], block_kv=tiles["block_kv"])
 
 
 def flash_hopper(query, key, value, *, scale, causal, diag_offset, window=None, softcap=None, kv_len=None):

@@ -36,3 +36,15 @@ def fresh_interpreter():
 def interpret_params():
     """The kernels' `interpret` argument: interpret-mode parameters on the CPU, None on the GPU."""
     return InterpretGPUParams() if MODE == "interpret" else None
+
+
+def feature_grid():
+    """(L, S, alignment, window, causal) cases of the kernels' thorough feature grids: edge lengths both
+    ways, each alignment, one-sided, two-sided and causal windows."""
+    cases = []
+    for l, s in ((97, 300), (300, 97), (255, 256), (64, 65)):
+        for alignment in ("top_left", "bottom_right"):
+            for window, causal in (((17, -1), False), ((-1, 0), False), ((3, 70), False), ((40, -1), True),
+                                   (None, True)):
+                cases.append(pytest.param(l, s, alignment, window, causal, id=f"{l}x{s}-{alignment}-{window}-{causal}"))
+    return cases

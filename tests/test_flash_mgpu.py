@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the oracle is written in torch")
 jax = pytest.importorskip("jax")
-from mosaic_gpu_mode import MODE, fresh_interpreter, interpret_params, pytestmark  # noqa: E402,F401
+from mosaic_gpu_mode import MODE, feature_grid, fresh_interpreter, interpret_params, pytestmark  # noqa: E402,F401
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -148,18 +148,8 @@ def test_features_against_float64_oracle(b, l, s, hq, hk, kw, request):
     assert empty.any() == request.node.callspec.id.endswith("-empty")  # the empty-row cases have some
 
 
-def _thorough_grid():
-    cases = []
-    for l, s in ((97, 300), (300, 97), (255, 256), (64, 65)):
-        for alignment in ("top_left", "bottom_right"):
-            for window, causal in (((17, -1), False), ((-1, 0), False), ((3, 70), False), ((40, -1), True),
-                                   (None, True)):
-                cases.append(pytest.param(l, s, alignment, window, causal, id=f"{l}x{s}-{alignment}-{window}-{causal}"))
-    return cases
-
-
 @pytest.mark.thorough
-@pytest.mark.parametrize("l, s, alignment, window, causal", _thorough_grid())
+@pytest.mark.parametrize("l, s, alignment, window, causal", feature_grid())
 @pytest.mark.parametrize("extras", [{}, dict(softcap=3.0, sinks=True)], ids=["plain", "softcap-sinks"])
 def test_feature_grid_against_float64_oracle(l, s, alignment, window, causal, extras):
     _feature_case(1, l, s, 2, 1, causal=causal, alignment=alignment, window=window, **extras)

@@ -21,7 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the oracle is written in torch")
 jax = pytest.importorskip("jax")
-from mosaic_gpu_mode import MODE, fresh_interpreter, interpret_params, pytestmark  # noqa: E402,F401
+from mosaic_gpu_mode import MODE, feature_grid, fresh_interpreter, interpret_params, pytestmark  # noqa: E402,F401
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -201,18 +201,8 @@ def test_with_the_mosaic_forwards_residuals(kw):
     _feature_case(1, 97, 230, 4, 2, residuals="forward", **kw)
 
 
-def _thorough_grid():
-    cases = []
-    for l, s in ((97, 300), (300, 97), (255, 256), (64, 65)):
-        for alignment in ("top_left", "bottom_right"):
-            for window, causal in (((17, -1), False), ((-1, 0), False), ((3, 70), False), ((40, -1), True),
-                                   (None, True)):
-                cases.append(pytest.param(l, s, alignment, window, causal, id=f"{l}x{s}-{alignment}-{window}-{causal}"))
-    return cases
-
-
 @pytest.mark.thorough
-@pytest.mark.parametrize("l, s, alignment, window, causal", _thorough_grid())
+@pytest.mark.parametrize("l, s, alignment, window, causal", feature_grid())
 @pytest.mark.parametrize("extras", [{}, dict(softcap=3.0, sinks=True, d=128)], ids=["plain", "softcap-sinks-d128"])
 def test_feature_grid_against_float64_oracle(l, s, alignment, window, causal, extras):
     _feature_case(1, l, s, 2, 1, causal=causal, alignment=alignment, window=window, **extras)

@@ -168,6 +168,22 @@ def _math(q, k, v, causal, dtype, gqa):
     return out, leaves
 
 
+def _count_hopper_calls(monkeypatch) -> list:
+    """A list that gets one entry per call the native launcher hands to the Hopper kernels."""
+    taken = []
+    real = native_flash.hopper_flash
+    monkeypatch.setattr(native_flash, "hopper_flash", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    return taken
+
+
+def _cuda_tensor(gen, b, h, t, d, memory):
+    """A (B, H, T, D) float32 CUDA tensor in (B, H, T, D) memory ("BHLD") or (B, T, H, D) memory seen
+    transposed ("BLHD")."""
+    if memory == "BHLD":
+        return torch.randn(b, h, t, d, generator=gen, device="cuda")
+    return torch.randn(b, t, h, d, generator=gen, device="cuda").transpose(1, 2)
+
+
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b, hq, hk, l, s, causal, memory", [
@@ -181,15 +197,9 @@ def _math(q, k, v, causal, dtype, gqa):
 def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 2048)  # shorter shapes, the same kernels
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 2048)
-    taken = []
-    real = native_flash.hopper_flash
-    monkeypatch.setattr(native_flash, "hopper_flash", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    taken = _count_hopper_calls(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
-    def tensor(h, t):
-        if memory == "BHLD":
-            return torch.randn(b, h, t, 128, generator=gen, device="cuda")
-        return torch.randn(b, t, h, 128, generator=gen, device="cuda").transpose(1, 2)
-    q, k, v = tensor(hq, l), tensor(hk, s), tensor(hk, s)
+    q, k, v = (_cuda_tensor(gen, b, h, t, 128, memory) for h, t in ((hq, l), (hk, s), (hk, s)))
     cot = torch.randn(b, hq, l, 128, generator=gen, device="cuda")
     gqa = hq != hk
     leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]  # .to keeps the memory layout
@@ -218,16 +228,9 @@ def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, ca
 def test_drop_in_runs_the_hopper_forward_at_head_dim_64(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
     """Without gradients, head dim 64 takes the Hopper forward (256-key tiles); with them, the Triton
     kernels (`hopper_reasons`)."""
-    taken = []
-    real = native_flash.hopper_flash
-    monkeypatch.setattr(native_flash, "hopper_flash", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    taken = _count_hopper_calls(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
-
-    def tensor(h, t):
-        if memory == "BHLD":
-            return torch.randn(b, h, t, 64, generator=gen, device="cuda")
-        return torch.randn(b, t, h, 64, generator=gen, device="cuda").transpose(1, 2)
-    q, k, v = tensor(hq, l), tensor(hk, s), tensor(hk, s)
+    q, k, v = (_cuda_tensor(gen, b, h, t, 64, memory) for h, t in ((hq, l), (hk, s), (hk, s)))
     gqa = hq != hk
     with torch.no_grad(), sdpa_launcher("native"):
         out = scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=causal, enable_gqa=gqa)

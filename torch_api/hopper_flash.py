@@ -49,7 +49,7 @@ _LOG2E = 1.4426950408889634
 #: Head dims of the kernels, forward only and with gradients (the head-dim-64 backward kernel ran at
 #: 249-282 TFLOP/s against cuDNN's 349-351, BENCHMARKS.md "Hopper kernels"; it is not offered until
 #: it beats cuDNN).
-_HEAD_DIMS = dict(forward=(64, 128), train=(128,))
+HOPPER_HEAD_DIMS = dict(forward=(64, 128), train=(128,))
 #: jax_core features (`AttentionInputs.features`) the kernels take.
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap"})
 
@@ -61,8 +61,8 @@ def _reasons(dtype_name: str, d: int, dv: int, hq: int, hk: int, l: int, s: int,
     kind = "train" if grad else "forward"
     if dtype_name not in ("bfloat16", "float16"):
         reasons.append(f"dtype {dtype_name}: the Hopper kernels take bfloat16 or float16")
-    if d != dv or d not in _HEAD_DIMS[kind]:
-        reasons.append(f"head dims {d}/{dv}: the Hopper kernels run head dims {_HEAD_DIMS[kind]}"
+    if d != dv or d not in HOPPER_HEAD_DIMS[kind]:
+        reasons.append(f"head dims {d}/{dv}: the Hopper kernels run head dims {HOPPER_HEAD_DIMS[kind]}"
                        f"{' with gradients' if grad else ''}")
     if hq % hk:
         reasons.append(f"num_q_heads={hq} is not a multiple of num_kv_heads={hk}")
@@ -99,10 +99,6 @@ def hopper_forward_reasons(inputs: AttentionInputs, device: torch.device) -> lis
     if inputs.features - _FEATURES:
         reasons.append(f"features {sorted(inputs.features - _FEATURES)}: the Hopper kernels have none of them")
     return reasons or mosaic_reasons(device)
-
-
-def _whole(n: int, tile: int) -> int:
-    return -(-n // tile) * tile
 
 
 def _kernel_views(tensors: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) -> tuple[list[torch.Tensor], bool]:
@@ -147,7 +143,7 @@ def _static(cfg: FlashConfig, kv_len: int) -> dict:
 def hopper_forward(q, k, v, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient."""
     l, s = q.shape[2], k.shape[2]
-    rows, keys = (_whole(n, tile) for n, tile in zip((l, s), calls.hopper_tile_lengths(q.shape[-1], backward=False)))
+    rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=False)
     (kq, kk, kv), folded = _kernel_views((q, k, v), (rows, keys, keys))
     out, lse = _FORWARD(kq, kk, kv, **_static(cfg, s))
     return _torch_view(out, q, folded), lse.view(*q.shape[:2], rows)[..., :l]
@@ -157,7 +153,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     """(dq, dk, dv) in (B, H, T, D) shapes of the inputs' dtype, from the forward's out and lse."""
     dout = dout.to(q.dtype)
     l, s = q.shape[2], k.shape[2]
-    rows, keys = (_whole(n, tile) for n, tile in zip((l, s), calls.hopper_tile_lengths(q.shape[-1], backward=True)))
+    rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=True)
     (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
     delta = _delta(out, dout)
     lse_log2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E)
@@ -171,19 +167,16 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     return _torch_view(dq.to(q.dtype), q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
 
 
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
-
-
 def _delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """rowsum(dO * O) (B, Hq, L) float32, by the Triton flash backward's delta kernel: one pass over
     both, any strides (float32 copies of both and their product cost about 5% of a long backward)."""
     if delta_entry_static is None:
         return (out.float() * dout.float()).sum(-1)
-    key = (tuple(out.shape), _strides(out), _strides(dout), out.dtype, dout.dtype, out.device)
+    o, do = Operand.of(out.shape, out.stride()), Operand.of(dout.shape, dout.stride())
+    key = (o, do.strides, out.dtype, dout.dtype, out.device)
     launch = _DELTA_LAUNCHES.get(key)
     if launch is None:
-        planned = flash_plan.delta_launch(Operand(tuple(out.shape), _strides(out)), _strides(dout))
+        planned = flash_plan.delta_launch(o, do.strides)
         launch = KernelLaunch(delta_entry_static, planned.grid, planned.num_warps, planned.num_stages,
                               ("Out", "dOut", "Delta"), planned.args)
         if len(_DELTA_LAUNCHES) >= 256:  # one per training shape: a program cycling through more gains nothing

@@ -23,7 +23,7 @@ from ..bridge.triton_autograd import PreparedTritonCall, TritonOp, cached_hash, 
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
-from .hopper_flash import HOPPER_MIN_LENGTH, hopper_flash, hopper_reasons
+from .hopper_flash import HOPPER_HEAD_DIMS, HOPPER_MIN_LENGTH, hopper_flash, hopper_reasons
 
 try:
     from ..jax_core.kernels import flash_entries_triton as entries_triton
@@ -73,7 +73,7 @@ def _operand(t: torch.Tensor) -> Operand:
         shape, stride = tuple(int(n) for n in t.shape), tuple(int(st) for st in t.stride())
     else:
         shape, stride = tuple(t.shape), t.stride()
-    return Operand(shape, tuple(0 if n == 1 else st for n, st in zip(shape, stride)))
+    return Operand.of(shape, stride)
 
 
 #: Inputs of a call with segment ids or varlen offsets: the 7 of every call, then q_ids, kv_ids, cu_q, cu_k.
@@ -448,7 +448,8 @@ class NativeFlash(PreparedTritonCall):
                 and not recorded()):
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             # The cheap tests first: most calls (decoding, short prefills) stop at the lengths.
-            if (q.is_cuda and q.shape[-1] in (64, 128) and min(q.shape[2], k.shape[2]) >= min(HOPPER_MIN_LENGTH.values())
+            if (q.is_cuda and q.shape[-1] in HOPPER_HEAD_DIMS["forward"]
+                    and min(q.shape[2], k.shape[2]) >= min(HOPPER_MIN_LENGTH.values())
                     and not hopper_reasons(q, k, v, self.cfg, grad)):
                 return hopper_flash(q, k, v, self.cfg, grad)
             kernel = _entries(q, k)["fwd"]

@@ -114,6 +114,11 @@ class Operand(NamedTuple):
     dims: tuple[int, int, int, int]
     strides: tuple[int, int, int, int]
 
+    @classmethod
+    def of(cls, dims, strides) -> "Operand":
+        """The operand of a tensor with these sizes and strides (a size-1 dim's stride becomes 0)."""
+        return cls(tuple(dims), tuple(0 if n == 1 else st for n, st in zip(dims, strides)))
+
 
 class Launch(NamedTuple):
     """One kernel launch without its buffers: grid, warps, stages and the scalar arguments by name."""
