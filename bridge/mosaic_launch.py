@@ -11,6 +11,10 @@ torch's current stream (about 10 us of host time; `as_torch_kernel`'s own wrappe
 made contiguous here. An input the function wraps in a mutable JAX ref (`jax.new_ref`) is updated in
 place and comes back as an output.
 
+Inside `shapes_only()` (the fake implementation of a `mosaic_op.MosaicOp`: fake tensors, no memory)
+a call launches nothing and returns empty contiguous outputs of the shapes and dtypes `jax.eval_shape`
+gives, as the launch allocates them.
+
 The launch goes through entry points of JAX's Mosaic GPU torch interop that are not public API
 (`_find_mgpu_call_in_module`, `_compile_as_torch_gpu_kernel`); `mosaic_reasons` reports a JAX
 without them, and the caller then runs other kernels.
@@ -111,6 +115,24 @@ class _Compiled:
         return results[0] if self.single else tuple(results)
 
 
+class _ShapesState(threading.local):
+    def __init__(self) -> None:
+        self.on = False
+
+
+_shapes = _ShapesState()
+
+
+class shapes_only:
+    """Context: `MosaicKernel` calls inside answer output shapes and launch nothing."""
+
+    def __enter__(self):
+        self._before, _shapes.on = _shapes.on, True
+
+    def __exit__(self, *exc):
+        _shapes.on = self._before
+
+
 class MosaicKernel:
     """A JAX function holding one Mosaic GPU kernel call, as a launcher on torch CUDA tensors.
 
@@ -121,10 +143,33 @@ class MosaicKernel:
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
         self._compiled: dict = {}
+        self._shapes: dict = {}  # eval_shape results, for `empty_outputs`
         self._lock = threading.Lock()
 
     def __call__(self, *tensors: torch.Tensor, **static: Any) -> Any:
-        tensors = tuple(t.contiguous() for t in tensors)
+        if _shapes.on:
+            return self.empty_outputs(tensors, static)
+        return self.launch(tuple(t.contiguous() for t in tensors), static)
+
+    def empty_outputs(self, tensors: tuple[torch.Tensor, ...], static: dict) -> Any:
+        """Uninitialised outputs as a launch allocates them (contiguous), from `jax.eval_shape`. A
+        symbolic size is specialised: a kernel is compiled for fixed shapes anyway."""
+        import jax
+
+        from .dtypes import to_torch_dtype
+
+        key = (tuple(static.items()), tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tensors))
+        found = self._shapes.get(key)
+        if found is None:
+            structs = [jax.ShapeDtypeStruct(shape, str(dtype).removeprefix("torch.")) for shape, dtype in key[1]]
+            found = self._shapes[key] = jax.eval_shape(functools.partial(self.fn, **static), *structs)
+        device = tensors[0].device
+        empty = [torch.empty(o.shape, dtype=to_torch_dtype(o.dtype), device=device)
+                 for o in jax.tree.leaves(found)]
+        return tuple(empty) if isinstance(found, (tuple, list)) else empty[0]
+
+    def launch(self, tensors: tuple[torch.Tensor, ...], static: dict) -> Any:
+        """Runs the kernel on contiguous CUDA tensors (compiling it for new shapes or settings)."""
         key = (tuple(static.items()), tuple((t.shape, t.dtype) for t in tensors))
         compiled = self._compiled.get(key)
         if compiled is None:

@@ -9,7 +9,6 @@ the kernels interpreted on the CPU; the kernels themselves run only on an sm90 G
 
 import math
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -62,29 +61,6 @@ def test_windows_soft_caps_and_any_lengths_take_the_hopper_kernels():
             "Mosaic GPU kernels run on CUDA devices (device meta)"]
 
 
-class _Interpreted:
-    """Stands in for a `MosaicKernel` on CPU tensors: the same kernel entry and tiles as
-    `calls.flash_hopper` / `calls.flash_hopper_backward`, in Mosaic GPU's interpret mode."""
-
-    def __init__(self, which):
-        self.which = which
-
-    def __call__(self, *tensors, **static):
-        import jax.numpy as jnp
-        from jaxattn.jax_core.kernels.flash_bwd_mgpu import flash_backward_mgpu_tiles
-        from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
-        from mosaic_gpu_mode import interpret_params
-
-        dtype = {torch.float16: jnp.float16, torch.bfloat16: jnp.bfloat16, torch.float32: jnp.float32}
-        arrays = [jnp.asarray(t.contiguous().float().numpy(), dtype[t.dtype]) for t in tensors]
-        fn = flash_forward_mgpu_tiles if self.which == "forward" else flash_backward_mgpu_tiles
-        results = fn(*arrays, **static, **calls.HOPPER_TILES[self.which][arrays[0].shape[-1]],
-                     interpret=interpret_params())
-        back = {jnp.dtype(jnp.float16): torch.float16, jnp.dtype(jnp.bfloat16): torch.bfloat16,
-                jnp.dtype(jnp.float32): torch.float32}
-        return tuple(torch.from_numpy(np.array(r.astype(jnp.float32))).to(back[r.dtype]) for r in results)
-
-
 @pytest.mark.parametrize("b, hq, hk, l, s, kw, memory", [
     # edge lengths, folded (B, H, T, D) memory, bottom-right causal window with a soft cap
     pytest.param(1, 2, 2, 130, 200, dict(causal=True, window=(40, 0), softcap=5.0, bottom_right=True), "BHLD",
@@ -104,8 +80,8 @@ def test_torch_launch_against_float64_oracle_interpreted(monkeypatch, b, hq, hk,
     from mosaic_gpu_mode import MODE
     if MODE != "interpret":
         pytest.skip("runs the kernels in Mosaic GPU's interpret mode (a CPU backend)")
-    monkeypatch.setattr(hopper_flash, "_FORWARD", _Interpreted("forward"))
-    monkeypatch.setattr(hopper_flash, "_BACKWARD", _Interpreted("backward"))
+    from hopper_interpreted import use_interpreted_kernels
+    use_interpreted_kernels(monkeypatch)
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     d, dtype = kw.get("d", 128), torch.float16
 

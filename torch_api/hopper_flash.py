@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
+from ..bridge.mosaic_op import MosaicOp
 from ..bridge.triton_launch import KernelLaunch
 from ..jax_core import AttentionInputs, calls
 from ..jax_core.kernels import flash_plan
@@ -201,15 +202,25 @@ class _HopperFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         if torch.is_grad_enabled():
-            raise NotImplementedError("the Hopper flash kernels' gradients are not differentiable again (a backward "
-                                      "with create_graph=True); sdpa_launcher('xla') runs a differentiable path")
+            raise NotImplementedError(_OP.second_order_message())
         q, k, v, out, lse = ctx.saved_tensors
         return (None, *hopper_backward(q, k, v, out, lse, dout, ctx.cfg))
 
 
+_OP = MosaicOp("jaxattn::hopper_flash", lambda cfg, q, k, v: hopper_forward(q, k, v, cfg),
+               lambda cfg, inputs, outputs, grads: hopper_backward(*inputs, *outputs, grads[0], cfg),
+               num_outputs=1, spec_types=(FlashConfig,),
+               second_order_hint="sdpa_launcher('xla') runs a differentiable path.")
+
+
 def hopper_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> torch.Tensor:
-    """Attention out (B, Hq, L, D) by the Hopper kernels; with `grad`, differentiable in q, k, v (eager
-    autograd)."""
+    """Attention out (B, Hq, L, D) by the Hopper kernels; with `grad`, differentiable in q, k, v.
+
+    Eager calls take the shortest host path (an autograd.Function, or the forward alone); under
+    torch.compile the call is the `jaxattn::hopper_flash` custom op (`bridge.mosaic_op`), one opaque
+    graph node with its backward op."""
+    if torch.compiler.is_compiling():
+        return _OP(cfg, q, k, v)[0]
     if grad:
         return _HopperFunction.apply(cfg, q, k, v)
     return hopper_forward(q, k, v, cfg)[0]
