@@ -61,7 +61,7 @@ class MosaicOp:
         @fwd_op.register_fake
         def _(inputs, spec):
             with shapes_only(), wrapped_launches():
-                return list(forward(codec.decode(spec), *inputs))
+                return list(forward(codec.decode(spec), *_specialised(inputs)))
 
         @torch.library.custom_op(name + "_backward", mutates_args=(), tags=tags)
         def bwd_op(inputs: List[torch.Tensor], outputs: List[torch.Tensor], grads: List[torch.Tensor],
@@ -71,7 +71,7 @@ class MosaicOp:
         @bwd_op.register_fake
         def _(inputs, outputs, grads, spec):
             with shapes_only(), wrapped_launches():
-                return list(backward(codec.decode(spec), inputs, outputs, grads))
+                return list(backward(codec.decode(spec), *(_specialised(x) for x in (inputs, outputs, grads))))
 
         def setup_context(ctx, inputs, output):
             tensors, spec = inputs
@@ -96,3 +96,16 @@ class MosaicOp:
     def second_order_message(self) -> str:
         return (f"{self.name}: second-order gradients (a backward with create_graph=True) are not implemented "
                 f"by these Mosaic GPU kernels. {self.second_order_hint}".rstrip())
+
+
+def _specialised(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Fake tensors with symbolic sizes or strides (torch.compile with dynamic shapes) as fake tensors of
+    the same layout in plain ints, which guards the graph on them: a Mosaic kernel is compiled for
+    fixed shapes, and the bodies compute tiles and paddings from the sizes in Python."""
+    out = []
+    for t in tensors:
+        if any(isinstance(n, torch.SymInt) for n in (*t.shape, *t.stride())):
+            t = torch.empty_strided([int(n) for n in t.shape], [int(n) for n in t.stride()], dtype=t.dtype,
+                                    device=t.device)
+        out.append(t)
+    return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..bridge.compile_hints import assume_constant_result
 from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
 from ..bridge.mosaic_op import MosaicOp
 from ..bridge.triton_launch import KernelLaunch
@@ -86,7 +87,21 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     reasons = _reasons(str(q.dtype).removeprefix("torch.") if same else "mixed", d, dv, hq, hk, l, s, grad)
     if cfg.dropout_p or cfg.varlen is not None:
         reasons.append("dropout or varlen: the Hopper kernels have neither")
-    return reasons or mosaic_reasons(q.device)
+    if reasons:
+        return reasons
+    if torch.compiler.is_compiling():
+        device = _device_reasons(q.device)
+        return [device] if device else []
+    return mosaic_reasons(q.device)
+
+
+@assume_constant_result
+def _device_reasons(device: torch.device) -> str:
+    """`mosaic_reasons(device)` as one string ("" when there are none), for a call torch.compile traces:
+    run for real while it traces (Dynamo cannot trace the CUDA queries), and fixed for the graph, which
+    is guarded on its tensors' devices. Capture is not one of them then: the graph's ops are tagged
+    so that CUDA graphs leave them out (`bridge.mosaic_op`)."""
+    return "; ".join(mosaic_reasons(device))
 
 
 def hopper_forward_reasons(inputs: AttentionInputs, device: torch.device) -> list[str]:

@@ -443,14 +443,16 @@ class NativeFlash(PreparedTritonCall):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                  mask: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, Dv) of this signature -> out (B, Hq, L, Dv)."""
-        if (bias is None and mask is None and seed is None and not traced() and forward_ad._current_level < 0
-                and not torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
-                and not recorded()):
+        plain = (bias is None and mask is None and seed is None and forward_ad._current_level < 0
+                 and not torch._C._are_functorch_transforms_active())
+        if plain and torch.compiler.is_compiling():
+            # The Hopper kernels as one custom op node, by the same rules; else FLASH_OP (below).
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            # The cheap tests first: most calls (decoding, short prefills) stop at the lengths.
-            if (q.is_cuda and q.shape[-1] in HOPPER_HEAD_DIMS["forward"]
-                    and min(q.shape[2], k.shape[2]) >= min(HOPPER_MIN_LENGTH.values())
-                    and not hopper_reasons(q, k, v, self.cfg, grad)):
+            if self._takes_hopper(q, k, v, grad):
+                return hopper_flash(q, k, v, self.cfg, grad)
+        elif plain and not traced() and not recorded():
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            if self._takes_hopper(q, k, v, grad):
                 return hopper_flash(q, k, v, self.cfg, grad)
             kernel = _entries(q, k)["fwd"]
             if self._kernel is not kernel:
@@ -470,6 +472,13 @@ class NativeFlash(PreparedTritonCall):
                 self._record_program("forward", q, lambda: self._program(q, k, v, out, lse, None))
             return out
         return flash_forward(q, k, v, self.cfg, bias=bias, mask=mask, seed=seed)[0]
+
+    def _takes_hopper(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool) -> bool:
+        """Whether the Hopper kernels run this call (`hopper_reasons`). The cheap tests first: most
+        calls (decoding, short prefills) stop at the lengths."""
+        return (q.shape[-1] in HOPPER_HEAD_DIMS["forward"]
+                and min(q.shape[2], k.shape[2]) >= min(HOPPER_MIN_LENGTH.values())
+                and not hopper_reasons(q, k, v, self.cfg, grad))
 
     def forward(self, q, k, v):
         out, lse = _forward(self.spec, q, k, v, None, None, None, None, launches=self._launches)
