@@ -183,6 +183,11 @@ def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, ca
         out = scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa)
     grads = torch.autograd.grad((out * cot.to(dtype)).sum(), leaves)
     assert taken, "the call did not take the Hopper kernels"
+    _assert_against_math(out, grads, q, k, v, cot, causal, dtype, gqa)
+
+
+def _assert_against_math(out, grads, q, k, v, cot, causal, dtype, gqa):
+    """out and grads (of sum(out * cot)) within twice torch's math error in `dtype` of its float32 math."""
     want, want_leaves = _math(q, k, v, causal, torch.float32, gqa)
     want_grads = torch.autograd.grad((want * cot).sum(), want_leaves)
     low, low_leaves = _math(q, k, v, causal, dtype, gqa)
@@ -192,6 +197,34 @@ def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, ca
         torch_err = (theirs.float() - ref).abs().max().item()
         assert err <= 2 * torch_err + 1e-3 * max(1.0, ref.abs().max().item()), (name, err, torch_err)
         assert math.isfinite(err)
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_drop_in_runs_the_hopper_kernels(monkeypatch, mode):
+    """torch.compile(fullgraph=True) over the drop-in runs the Hopper kernels (the `jaxattn::hopper_flash`
+    ops) with values and gradients as eager; under reduce-overhead the ops stay out of the CUDA graphs
+    (tagged cudagraph_unsafe) and still run, on every call."""
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 2048)  # shorter shapes, the same kernels
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 2048)
+    launched = []
+    for kernel in (hopper_flash._FORWARD, hopper_flash._BACKWARD):
+        monkeypatch.setattr(kernel, "launch", lambda t, s, real=kernel.launch: launched.append(1) or real(t, s))
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+    b, hq, hk, l, s, dtype = 1, 16, 4, 2113, 4161, torch.bfloat16  # GQA, partial tiles, L < S
+    q, k, v = (_cuda_tensor(gen, b, h, t, 128, "BLHD") for h, t in ((hq, l), (hk, s), (hk, s)))
+    cot = torch.randn(b, hq, l, 128, generator=gen, device="cuda")
+    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    compiled = torch.compile(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                             fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records its graphs after warm-up runs
+        with sdpa_launcher("native"):
+            out = compiled(*leaves)
+        grads = torch.autograd.grad((out * cot.to(dtype)).sum(), leaves)
+    assert len(launched) == 6, f"{len(launched)} Hopper launches in 3 compiled forward and backward calls, not 6"
+    _assert_against_math(out, grads, q, k, v, cot, True, dtype, True)
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")

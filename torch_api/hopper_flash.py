@@ -2,9 +2,12 @@
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
 sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, sliding
-windows, a logits soft cap, GQA, no bias, mask, dropout, sinks or packing, eager (not compiled or
-captured), and query and key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with
-gradients), below which the Triton kernels measured faster (H100, BENCHMARKS.md "Hopper kernels").
+windows, a logits soft cap, GQA, no bias, mask, dropout, sinks or packing, not inside CUDA graph
+capture (a first launch loads its module), and query and key lengths of at least `HOPPER_MIN_LENGTH`
+(forward only, or with gradients), below which the Triton kernels measured faster (H100,
+BENCHMARKS.md "Hopper kernels"). Eager calls launch directly; under torch.compile a call is the
+custom op `jaxattn::hopper_flash` (with its backward op, `bridge.mosaic_op`), which Inductor keeps
+opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
 Without gradients, head dim 64 too (the forward kernel with 256-key blocks). Automatic launch
 (`launch.native_decision`) keeps its choice of JAX's cuDNN for long calls that need gradients (its
 backward is faster than ours); a prepared call without gradients that `hopper_forward_reasons`
