@@ -10,7 +10,6 @@ On an sm90 GPU `test_gpu_hopper.py` runs the compiled kernels.
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch._inductor.config  # noqa: E402
 
 from attention_reference import assert_dtype_rule, reference, reference_grads  # noqa: E402
 from hopper_interpreted import InterpretedKernel, use_interpreted_kernels  # noqa: E402
@@ -27,14 +26,14 @@ if MODE != "interpret":
 def launches(monkeypatch) -> list:
     """The interpreted kernels in place of the Mosaic ones; the list gets "forward" / "backward" per launch."""
     use_interpreted_kernels(monkeypatch)
-    # Compile afresh: the on-disk caches would replay graphs traced from another version of the ops.
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     taken = []
     real = InterpretedKernel.launch
     monkeypatch.setattr(InterpretedKernel, "launch", lambda self, t, s: taken.append(self.which) or real(self, t, s))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    yield taken
+    # Compile afresh: the on-disk caches would replay graphs traced from another version of the ops.
+    with torch.compiler.config.patch(force_disable_caches=True):
+        yield taken
     torch._dynamo.reset()
 
 
