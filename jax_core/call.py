@@ -45,7 +45,9 @@ class AttentionCall:
             backend of the platform the arrays live on (or `metadata.backend`).
     """
 
-    visibility: Visibility = Visibility()
+    # A factory, not a shared instance as the default: torch.compile (torch 2.11's Dynamo) cannot
+    # wrap an instance held in the generated __init__'s defaults when it traces a construction.
+    visibility: Visibility = dataclasses.field(default_factory=Visibility)
     logits_soft_cap: Optional[float] = None
     scale: Optional[float] = None
     dropout_prob: float = 0.0

@@ -475,9 +475,12 @@ class NativeFlash(PreparedTritonCall):
 
     def _takes_hopper(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool) -> bool:
         """Whether the Hopper kernels run this call (`hopper_reasons`). The cheap tests first: most
-        calls (decoding, short prefills) stop at the lengths."""
-        return (q.shape[-1] in HOPPER_HEAD_DIMS["forward"]
-                and min(q.shape[2], k.shape[2]) >= min(HOPPER_MIN_LENGTH.values())
+        calls (decoding, short prefills) stop at the lengths. Symbolic sizes (torch.compile with
+        dynamic shapes) keep the Triton kernels: a Mosaic kernel is compiled per shape, and testing
+        the lengths would guard the graph on them (one graph per length instead of one for all)."""
+        shortest = min(HOPPER_MIN_LENGTH.values())
+        return (q.shape[-1] in HOPPER_HEAD_DIMS["forward"] and not _symbolic(q, k)
+                and q.shape[2] >= shortest and k.shape[2] >= shortest
                 and not hopper_reasons(q, k, v, self.cfg, grad))
 
     def forward(self, q, k, v):
