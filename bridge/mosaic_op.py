@@ -1,7 +1,7 @@
 """A differentiable torch custom op whose forward and backward launch Mosaic GPU kernels, for torch.compile.
 
-    >>> op = MosaicOp("mylib::my_attention", forward, backward, num_outputs=1, spec_types=[MySpec])
-    >>> out, = op(spec, q, k, v)   # one opaque graph node under torch.compile; out.backward() runs `backward`
+    >>> op = MosaicOp("mylib::my_kernel", forward, backward, num_outputs=1, spec_types=[MySpec])
+    >>> out, = op(spec, x, y)      # one opaque graph node under torch.compile; out.backward() runs `backward`
 
 `forward(spec, *inputs) -> outputs` returns the op's outputs followed by residuals the backward needs
 (tensors, not differentiable); `backward(spec, inputs, outputs, grads) -> grads` gets the saved
