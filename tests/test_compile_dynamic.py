@@ -52,12 +52,16 @@ def _inputs(l, s, seed):
 
 def _sweep(call, reference, lengths):
     """Runs `call` compiled with dynamic=True and fullgraph=True over `lengths`; checks every output
-    and gradient against `reference`; returns the compiled graphs that hold a jax_call."""
+    and gradient against `reference` and that the first compilation served every length (no
+    recompilation: a guard on a length or on a memo's contents would show here); returns the
+    compiled graphs that hold a jax_call."""
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(call, backend=counter, dynamic=True, fullgraph=True)
     for i, (l, s) in enumerate(lengths):
         inputs = _inputs(l, s, seed=i)
         out = compiled(*inputs)
+        if i == 0:  # the first call's compilation (the backend may be called twice: Dynamo restarts
+            first = counter.frame_count  # its analysis once for symbolic float arguments)
         ref = reference(*inputs)
         torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-8)
         cotangent = torch.randn_like(ref)
@@ -67,6 +71,7 @@ def _sweep(call, reference, lengths):
             assert (got is None) == (want is None)
             if got is not None:
                 torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-8)
+    assert counter.frame_count == first, f"{counter.frame_count - first} recompilations for {len(lengths)} lengths"
     return [g for g in counter.graphs if "jax_call" in str(g.graph)]
 
 
@@ -100,6 +105,23 @@ def test_the_default_dynamic_mode_settles_on_one_graph():
             q, k, v, _ = _inputs(l, s, seed=i)
             torch.testing.assert_close(compiled(q, k, v), _math(q, k, v, enable_gqa=True), atol=1e-10, rtol=1e-8)
     assert counter.frame_count == 2
+
+
+def test_repeated_calls_of_one_shape_compile_once():
+    """Static shapes (dynamic=False), a decoding call and a prefill: the calls after the first find
+    the first compilation (the settings' memos are not read under compile, so no guard on them)."""
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v: scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                             backend=counter, dynamic=False, fullgraph=True)
+    with torch.no_grad():
+        for l, s in ((1, 40), (33, 17)):
+            for seed in range(3):
+                q, k, v, _ = _inputs(l, s, seed=seed)
+                torch.testing.assert_close(compiled(q, k, v), _math(q, k, v, enable_gqa=True), atol=1e-10,
+                                           rtol=1e-8)
+                if seed == 0:
+                    first = counter.frame_count
+            assert counter.frame_count == first, (l, s, counter.frame_count - first)
 
 
 @jax_op(name="tests.test_compile_dynamic.concat")

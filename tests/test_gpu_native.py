@@ -259,17 +259,19 @@ def test_torch_compile_dynamic_shapes_one_graph():
         return (a.float() + b.float()).square().sum()
 
     compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
-    for l, s in ((97, 130), (130, 97), (33, 1025), (200, 200)):
+    for i, (l, s) in enumerate(((97, 130), (130, 97), (33, 1025), (200, 200))):
         q, k, v = _qkv(b=2, hq=4, hk=2, l=l, s=s, grad=True)
         mask = torch.rand(2, 1, l, s, device=DEV) > 0.2
         loss = compiled(q, k, v, mask)
+        if i == 0:  # Dynamo may call the backend twice for the first (a restart for symbolic floats)
+            first = counter.frame_count
         grads = torch.autograd.grad(loss, (q, k, v))
         want = f(q, k, v, mask)
         want_grads = torch.autograd.grad(want, (q, k, v))
         torch.testing.assert_close(loss, want, rtol=1e-3, atol=1e-3)
         for g, w in zip(grads, want_grads):
             torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
-    assert counter.frame_count == 1, counter.frame_count
+    assert counter.frame_count == first, f"{counter.frame_count - first} recompilations"
 
 
 def test_transformers_static_cache_generation():

@@ -208,7 +208,11 @@ def native_config(q_shape, k_shape, value_head_dim: int, dtype: torch.dtype, dev
     # A decoding call's settings do not depend on its key length (a new one each step of a
     # growing cache) unless it is aligned bottom-right (diagonal offset S - L): memoized without it.
     memo = None
-    if (not symbolic and l <= 16 < s <= NATIVE_DECODE_MAX_KEYS and not bottom_right and not segments and varlen is None and not alibi and not torch._C._are_functorch_transforms_active()):
+    # Under torch.compile no memo is read: Dynamo would guard the graph on the memo's contents (a
+    # miss at trace time, a hit at the next call: one needless recompilation per signature).
+    if (not symbolic and not torch.compiler.is_compiling() and l <= 16 < s <= NATIVE_DECODE_MAX_KEYS
+            and not bottom_right and not segments and varlen is None and not alibi
+            and not torch._C._are_functorch_transforms_active()):
         memo = (tuple(q_shape), tuple(k_shape[:2]), k_shape[3], value_head_dim, dtype, device, choice,
                 current_launcher(), interpreted(), NATIVE_DECODE_MAX_KEYS, causal, window, softcap, sinks, mask,
                 dropout_p, lse, scale)
@@ -247,9 +251,13 @@ def _call(*, causal, bottom_right, window, softcap, dropout_p, lse, scale, varle
     """
     backend = None if device is None else _DEVICE_BACKENDS.get(device.type)
     key = (causal, bottom_right, window, softcap, dropout_p, lse, scale, varlen, backend)
-    try:  # a decoding loop asks for the same options every step: build each call once
-        found = _CALLS.get(key)
-    except TypeError:  # unhashable options (symbolic sizes under torch.compile, a list): not kept
+    # A decoding loop asks for the same options every step: build each call once. Not under
+    # torch.compile, which would guard the graph on the memo's contents (see `native_config`).
+    if torch.compiler.is_compiling():
+        key = None
+    try:
+        found = None if key is None else _CALLS.get(key)
+    except TypeError:  # unhashable options (a list): not kept
         found = key = None
     if found is not None:
         return found
