@@ -1,5 +1,6 @@
-"""Automatic launch and the Hopper forward: a long head-dim-128 call without gradients launches natively
-(and so runs the Hopper forward on sm90); with gradients, or when unknown, JAX's cuDNN keeps it.
+"""Automatic launch and the Hopper kernels: a long head-dim-128 call launches natively (and so runs the
+Hopper kernels on sm90) with or without gradients; when the need of gradients is unknown, JAX's cuDNN
+keeps it.
 
 No GPU here: the launcher is told it can launch on CUDA and that Mosaic GPU can run; the rest of the
 decision (sizes, features, grad) is the real one. On an H100 `tests/test_gpu_hopper.py` runs the kernels.
@@ -27,12 +28,24 @@ def _inputs(l=16384, s=16384, d=128, dtype=torch.bfloat16, features=("causal",),
     return describe((b, hq, l, d), (b, hk, s, d), d, dtype, set(features))
 
 
-def test_a_long_call_without_gradients_launches_natively(cuda_launcher):
+def test_a_long_call_launches_natively_with_or_without_gradients(cuda_launcher):
     native, why = native_decision(_inputs(), CUDA, None, "auto", grad=False)
-    assert native and "no gradients, and the Hopper forward" in why
-    for grad in (True, None):  # with gradients, or unknown: JAX's cuDNN as before
-        native, why = native_decision(_inputs(), CUDA, None, "auto", grad=grad)
-        assert not native and "measured faster here" in why, (grad, why)
+    assert native and "the Hopper kernels (no gradients) measured faster" in why, why
+    native, why = native_decision(_inputs(), CUDA, None, "auto", grad=True)
+    assert native and "the Hopper kernels with gradients measured faster" in why, why
+    native, why = native_decision(_inputs(), CUDA, None, "auto", grad=None)  # unknown: JAX's cuDNN
+    assert not native and "measured faster here" in why, why
+
+
+@pytest.mark.parametrize("change, want", [
+    (dict(d=64), "head dims 64/64: the Hopper kernels run head dims (128,) with gradients"),
+    (dict(l=4096, s=4096), "S=4096 below 8192 with gradients"),
+])
+def test_calls_the_hopper_backward_cannot_run_keep_jax_cudnn(cuda_launcher, change, want):
+    inputs = _inputs(**change)
+    assert any(want in r for r in hopper_flash.hopper_launch_reasons(inputs, CUDA, grad=True)), want
+    native, why = native_decision(inputs, CUDA, None, "auto", grad=True)
+    assert "Hopper" not in why, why
 
 
 @pytest.mark.parametrize("change, want", [
@@ -43,20 +56,21 @@ def test_a_long_call_without_gradients_launches_natively(cuda_launcher):
 ])
 def test_calls_the_hopper_forward_cannot_run_keep_their_launcher(cuda_launcher, change, want):
     inputs = _inputs(**change)
-    assert any(want in r for r in hopper_flash.hopper_forward_reasons(inputs, CUDA)), want
+    assert any(want in r for r in hopper_flash.hopper_launch_reasons(inputs, CUDA, grad=False)), want
     native, why = native_decision(inputs, CUDA, None, "auto", grad=False)
     assert "Hopper" not in why
 
 
 @pytest.mark.parametrize("change", [dict(d=64), dict(l=16001, s=9000), dict(features=("sliding_window", "softcap"))])
 def test_head_dim_64_windows_soft_caps_and_partial_tiles_take_the_hopper_forward(cuda_launcher, change):
-    assert hopper_flash.hopper_forward_reasons(_inputs(**change), CUDA) == []
+    assert hopper_flash.hopper_launch_reasons(_inputs(**change), CUDA, grad=False) == []
 
 
 def test_deterministic_mode_keeps_jax_cudnn(cuda_launcher):
     torch.use_deterministic_algorithms(True)
     try:
-        assert not native_decision(_inputs(), CUDA, None, "auto", grad=False)[0]
+        for grad in (False, True):
+            assert not native_decision(_inputs(), CUDA, None, "auto", grad=grad)[0]
     finally:
         torch.use_deterministic_algorithms(False)
 

@@ -9,9 +9,9 @@ BENCHMARKS.md "Hopper kernels"). Eager calls launch directly; under torch.compil
 custom op `jaxattn::hopper_flash` (with its backward op, `bridge.mosaic_op`), which Inductor keeps
 opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
 Without gradients, head dim 64 too (the forward kernel with 256-key blocks). Automatic launch
-(`launch.native_decision`) keeps its choice of JAX's cuDNN for long calls that need gradients (its
-backward is faster than ours); a prepared call without gradients that `hopper_forward_reasons`
-accepts launches natively, and so runs the Hopper forward.
+(`launch.native_decision`) sends a prepared call that `hopper_launch_reasons` accepts (with or without
+gradients, as the call needs) to the native launcher, and so to these kernels, instead of JAX's cuDNN;
+a call whose need of gradients is unknown keeps JAX's cuDNN.
 
 Any lengths: the kernels move whole tiles (128 query rows, 128 keys serve both; 256 keys in the
 head-dim-64 forward), so a tensor whose length is not a whole number of tiles is copied once into a
@@ -61,7 +61,7 @@ _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window",
 
 def _reasons(dtype_name: str, d: int, dv: int, hq: int, hk: int, l: int, s: int, grad: bool) -> list[str]:
     """What keeps a call of these sizes off the Hopper kernels, features aside (`hopper_reasons`,
-    `hopper_forward_reasons`)."""
+    `hopper_launch_reasons`)."""
     reasons = []
     kind = "train" if grad else "forward"
     if dtype_name not in ("bfloat16", "float16"):
@@ -107,14 +107,14 @@ def _device_reasons(device: torch.device) -> str:
     return "; ".join(mosaic_reasons(device))
 
 
-def hopper_forward_reasons(inputs: AttentionInputs, device: torch.device) -> list[str]:
-    """Why the Hopper forward would not run a call described by `inputs` without gradients (empty when it
-    would): what `hopper_reasons(..., grad=False)` asks of the tensors, from the call's description,
-    for automatic launch to ask before it chooses a launcher."""
+def hopper_launch_reasons(inputs: AttentionInputs, device: torch.device, *, grad: bool) -> list[str]:
+    """Why the Hopper kernels would not run a call described by `inputs` (empty when they would; `grad`:
+    whether it needs gradients): what `hopper_reasons` asks of the tensors, from the call's
+    description, for automatic launch to ask before it chooses a launcher."""
     if device.type != "cuda":
         return [f"Mosaic GPU kernels run on CUDA devices (device {device})"]
     reasons = _reasons(inputs.dtype, inputs.head_dim, inputs.value_head_dim, inputs.num_q_heads,
-                       inputs.num_kv_heads, inputs.q_len, inputs.kv_len, grad=False)
+                       inputs.num_kv_heads, inputs.q_len, inputs.kv_len, grad=grad)
     if inputs.features - _FEATURES:
         reasons.append(f"features {sorted(inputs.features - _FEATURES)}: the Hopper kernels have none of them")
     return reasons or mosaic_reasons(device)

@@ -28,7 +28,7 @@ from ..jax_core import AttentionCall, AttentionInputs, AttentionRegistry
 from ..jax_core.flash import FlashAttn
 from ..jax_core.kernels.flash_plan import FlashConfig
 from ..jax_core.visibility import Visibility
-from .hopper_flash import HOPPER_MIN_LENGTH, hopper_forward_reasons
+from .hopper_flash import HOPPER_MIN_LENGTH, hopper_launch_reasons
 
 Launcher = Literal["auto", "native", "xla"]
 LAUNCHERS = ("auto", "native", "xla")
@@ -154,9 +154,10 @@ def native_decision(inputs: AttentionInputs, device: torch.device, choice, launc
         return True, (f"a decoding call with S={inputs.kv_len} <= {NATIVE_DECODE_MAX_KEYS} keys: one native launch "
                       "beats the XLA path's host cost" if decoding else
                       "our flash kernel measured faster than the XLA path's choice at this size and head dim")
-    if grad is False and not hopper_forward_reasons(inputs, device):
-        return True, ("no gradients, and the Hopper forward kernel measured faster than the XLA path's cuDNN here "
-                      f"(sm90, head dim 128, L and S >= {HOPPER_MIN_LENGTH['forward']})")
+    if grad is not None and not hopper_launch_reasons(inputs, device, grad=grad):
+        kind = "train" if grad else "forward"
+        return True, (f"the Hopper kernels{' with gradients' if grad else ' (no gradients)'} measured faster than "
+                      f"the XLA path's cuDNN here (sm90, L and S >= {HOPPER_MIN_LENGTH[kind]})")
     xla = _xla_choice(inputs)
     if xla in NATIVE_IMPLEMENTATIONS:
         return True, "the XLA path would run flash too; the native launch skips its host cost"
