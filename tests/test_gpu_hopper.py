@@ -36,8 +36,8 @@ def test_reasons_name_what_keeps_a_call_off_the_hopper_kernels():
         ((q[..., :64], k[..., :64], k[..., :64], cfg), "head dims 64/64"),
         ((q, k, k, FlashConfig(scale=0.1, causal=True, dropout_p=0.1)), "dropout or varlen"),
         ((q, k, k, FlashConfig(scale=0.1, varlen=(8192, 8192))), "dropout or varlen"),
-        ((q[:, :, :2000], k, k, cfg), "lengths L=2000, S=8192 below 8192 with gradients"),
-        ((q[:1, :, :4096], k[:1, :, :4096], k[:1, :, :4096], cfg), "lengths L=4096, S=4096 below 8192 with gradients"),
+        ((q[:, :, :2000], k, k, cfg), "lengths L=2000, S=8192 below 4096 with gradients"),
+        ((q[:1, :, :2048], k[:1, :, :2048], k[:1, :, :2048], cfg), "lengths L=2048, S=2048 below 4096 with gradients"),
         ((q, k, k, cfg), "Mosaic GPU kernels run on CUDA devices (device meta)"),
     ]
     for args, want in cases:

@@ -39,7 +39,7 @@ def test_a_long_call_launches_natively_with_or_without_gradients(cuda_launcher):
 
 @pytest.mark.parametrize("change, want", [
     (dict(d=64), "head dims 64/64: the Hopper kernels run head dims (128,) with gradients"),
-    (dict(l=4096, s=4096), "S=4096 below 8192 with gradients"),
+    (dict(l=2048, s=2048), "S=2048 below 4096 with gradients"),
 ])
 def test_calls_the_hopper_backward_cannot_run_keep_jax_cudnn(cuda_launcher, change, want):
     inputs = _inputs(**change)

@@ -43,11 +43,12 @@ except ImportError:  # no triton: delta by torch ops
     delta_entry_static = None
 
 #: Shortest query and key lengths (the smaller of L and S) at which the Hopper kernels run, forward
-#: only and with gradients. `jaxattn bench --full` on an H100 (BENCHMARKS.md "Hopper kernels"), bf16
-#: causal, head dim 128, Hopper against Triton: forward 537 vs 682 us at (4, 16, 4096), 421 vs 366 us
-#: at (8, 16, 2048); forward + backward 4764 vs 4910 us at (2, 16, 8192), 3325 vs 2653 us at
-#: (4, 16, 4096). The per-program walk of the Hopper backward pays off only over long sequences.
-HOPPER_MIN_LENGTH = dict(forward=4096, train=8192)
+#: only and with gradients. `benchmarks/hopper_torch_gpu.py` on an H100 (BENCHMARKS.md "Hopper
+#: kernels"), bf16 causal, head dim 128, Hopper against Triton through the drop-in: forward 537 vs
+#: 682 us at (4, 16, 4096), 421 vs 366 us at (8, 16, 2048); forward + backward 1253 vs 1416 us at
+#: (2, 16, 4096), 1267 vs 820 us at (4, 16, 2048), where the Hopper path's host time (about 1.3 ms
+#: per forward + backward against the Triton path's 0.5 ms) exceeds the kernels' time.
+HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
