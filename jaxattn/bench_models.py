@@ -49,7 +49,7 @@ SIZES = ("tiny", "full", "long")
 IMPLS = ("sdpa", "jaxattn")  # the two columns; "jaxattn" is whatever name register_transformers returned
 MODES = ("train", "prefill", "generate-dynamic", "generate-static", "small-fwd", "small-fwd+bwd")
 #: Kernel names (lower case) containing one of these count as attention kernels in --profile.
-ATTENTION_KERNEL_WORDS = ("attn", "flash", "fwd", "bwd", "dkdv", "dq", "cudnn", "fmha")
+ATTENTION_KERNEL_WORDS = ("attn", "flash", "fwd", "bwd", "dkdv", "dq", "delta", "cudnn", "fmha", "mosaic_gpu")
 TOP_KERNELS = 5
 PAD_TOKEN = 0  # prompts are drawn from [FIRST_TOKEN, vocab): the pad token never occurs
 FIRST_TOKEN = 3

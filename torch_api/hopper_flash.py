@@ -27,6 +27,8 @@ Shape legend: B batch, Hq / Hk query / KV heads, L query length, S key length, D
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..bridge.compile_hints import assume_constant_result
@@ -176,10 +178,12 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=True)
     (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
     delta = _delta(out, dout)
-    lse_log2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E)
-    # Padded query rows: LSE +inf (probabilities 0) and delta 0, so that they add nothing to dK, dV.
-    delta, lse_log2 = (torch.nn.functional.pad(x, (0, rows - l), value=fill) for x, fill in ((delta, 0.0),
-                                                                                             (lse_log2, torch.inf)))
+    # The LSE in log2 units, +inf for a row that saw no key (-inf), whose probabilities are then
+    # exp2(s - inf) = 0: two elementwise ops (a backward's small launches add up over a model's layers).
+    lse_log2 = torch.mul(lse, _LOG2E).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
+    if rows != l:  # padded query rows: LSE +inf (probabilities 0) and delta 0, so they add nothing to dK, dV
+        delta, lse_log2 = (torch.nn.functional.pad(x, (0, rows - l), value=fill)
+                           for x, fill in ((delta, 0.0), (lse_log2, math.inf)))
     batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
     delta, lse_log2 = (x.reshape(batch, heads, rows) for x in (delta, lse_log2))
     accum = torch.zeros(kq.shape, dtype=torch.float32, device=q.device)
