@@ -50,16 +50,14 @@ def flops(b, h, l, d, causal):
 
 def drop_in(hopper: bool):
     def run(q, k, v, causal):
-        saved = dict(hopper_flash.HOPPER_MIN_LENGTH), hopper_flash.HOPPER_MIN_BACKWARD_PROGRAMS
-        # "hopper": every eligible shape (no length or grid threshold); "triton": none.
+        saved = dict(hopper_flash.HOPPER_MIN_LENGTH)
+        # "hopper": every eligible shape (no length threshold); "triton": none.
         hopper_flash.HOPPER_MIN_LENGTH.update(forward=0 if hopper else math.inf, train=0 if hopper else math.inf)
-        hopper_flash.HOPPER_MIN_BACKWARD_PROGRAMS = 0
         try:
             with sdpa_launcher("native"):
                 return scaled_dot_product_attention(q, k, v, is_causal=causal)
         finally:
-            hopper_flash.HOPPER_MIN_LENGTH.update(saved[0])
-            hopper_flash.HOPPER_MIN_BACKWARD_PROGRAMS = saved[1]
+            hopper_flash.HOPPER_MIN_LENGTH.update(saved)
     return run
 
 

@@ -40,8 +40,6 @@ def test_a_long_call_launches_natively_with_or_without_gradients(cuda_launcher):
 @pytest.mark.parametrize("change, want", [
     (dict(d=64), "head dims 64/64: the Hopper kernels run head dims (128,) with gradients"),
     (dict(l=2048, s=2048), "S=2048 below 4096 with gradients"),
-    # GQA 8:1 at 8k, one sequence: 2 KV heads x 64 key blocks, a grid shorter than two waves
-    (dict(l=8192, s=8192, b=1, hq=16, hk=2), "128 backward programs (batch 1 x 2 KV heads x 64 key blocks), below 264"),
 ])
 def test_calls_the_hopper_backward_cannot_run_keep_jax_cudnn(cuda_launcher, change, want):
     inputs = _inputs(**change)
@@ -61,13 +59,6 @@ def test_calls_the_hopper_forward_cannot_run_keep_their_launcher(cuda_launcher, 
     assert any(want in r for r in hopper_flash.hopper_launch_reasons(inputs, CUDA, grad=False)), want
     native, why = native_decision(inputs, CUDA, None, "auto", grad=False)
     assert "Hopper" not in why
-
-
-def test_a_grid_of_two_waves_takes_the_hopper_backward(cuda_launcher):
-    # (1, 16/8, 8192): 8 KV heads x 64 key blocks = 512 programs
-    assert hopper_flash.hopper_launch_reasons(_inputs(l=8192, s=8192, b=1, hq=16, hk=8), CUDA, grad=True) == []
-    # without gradients the grid is the forward's: a short backward grid is no reason
-    assert hopper_flash.hopper_launch_reasons(_inputs(l=8192, s=8192, b=1, hq=16, hk=2), CUDA, grad=False) == []
 
 
 @pytest.mark.parametrize("change", [dict(d=64), dict(l=16001, s=9000), dict(features=("sliding_window", "softcap"))])

@@ -90,7 +90,6 @@ def test_native_launcher_chooses_the_hopper_op_under_compile(launches, monkeypat
     monkeypatch.setattr(hopper_flash, "mosaic_reasons", lambda device: [])
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 64)
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 64)
-    monkeypatch.setattr(hopper_flash, "HOPPER_MIN_BACKWARD_PROGRAMS", 0)
     q, k, v, do = _inputs(1, 4, 2, 97, 130)
     dtype = torch.bfloat16
     compiled = torch.compile(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),

@@ -5,8 +5,7 @@ sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or n
 windows, a logits soft cap, GQA, no bias, mask, dropout, sinks or packing, not inside CUDA graph
 capture (a first launch loads its module), and query and key lengths of at least `HOPPER_MIN_LENGTH`
 (forward only, or with gradients), below which the Triton kernels measured faster (H100,
-BENCHMARKS.md "Hopper kernels"); with gradients also a backward grid of at least
-`HOPPER_MIN_BACKWARD_PROGRAMS` programs (GQA with few KV heads makes it short). Eager calls launch directly; under torch.compile a call is the
+BENCHMARKS.md "Hopper kernels"). Eager calls launch directly; under torch.compile a call is the
 custom op `jaxattn::hopper_flash` (with its backward op, `bridge.mosaic_op`), which Inductor keeps
 opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
 Without gradients, head dim 64 too (the forward kernel with 256-key blocks). Automatic launch
@@ -52,12 +51,6 @@ except ImportError:  # no triton: delta by torch ops
 #: (2, 16, 4096), 1267 vs 820 us at (4, 16, 2048), where the Hopper path's host time (about 1.3 ms
 #: per forward + backward against the Triton path's 0.5 ms) exceeds the kernels' time.
 HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
-#: Fewest programs of the Hopper backward's grid (batch x KV heads x 128-key blocks) for a call with
-#: gradients. A program walks every query head of its KV head's group, so with few KV heads the grid
-#: is short and its longest causal walks leave multiprocessors idle (H100, (1, 8192) causal, 16 query
-#: heads, backward alone: 488 TFLOP/s with 16 KV heads (1024 programs), 438 with 8 (512), 275 with 2
-#: (128), where the Triton backward runs at about 370). Two waves of the H100's 132 multiprocessors.
-HOPPER_MIN_BACKWARD_PROGRAMS = 264
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
@@ -69,7 +62,7 @@ HOPPER_HEAD_DIMS = dict(forward=(64, 128), train=(128,))
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap"})
 
 
-def _reasons(dtype_name: str, b: int, d: int, dv: int, hq: int, hk: int, l: int, s: int, grad: bool) -> list[str]:
+def _reasons(dtype_name: str, d: int, dv: int, hq: int, hk: int, l: int, s: int, grad: bool) -> list[str]:
     """What keeps a call of these sizes off the Hopper kernels, features aside (`hopper_reasons`,
     `hopper_launch_reasons`)."""
     reasons = []
@@ -84,12 +77,6 @@ def _reasons(dtype_name: str, b: int, d: int, dv: int, hq: int, hk: int, l: int,
     if min(l, s) < HOPPER_MIN_LENGTH[kind]:
         reasons.append(f"lengths L={l}, S={s} below {HOPPER_MIN_LENGTH[kind]}{' with gradients' if grad else ''}: "
                        "the Triton kernels measured faster")
-    elif grad and d in calls.HOPPER_TILES["backward"]:
-        blocks = calls.hopper_padded_lengths(l, s, d, backward=True)[1] // (
-            2 * calls.HOPPER_TILES["backward"][d]["block_kv"])
-        if b * hk * blocks < HOPPER_MIN_BACKWARD_PROGRAMS:
-            reasons.append(f"{b * hk * blocks} backward programs (batch {b} x {hk} KV heads x {blocks} key blocks), "
-                           f"below {HOPPER_MIN_BACKWARD_PROGRAMS}: the Triton backward measured faster on a short grid")
     if torch.are_deterministic_algorithms_enabled():
         reasons.append("deterministic algorithms are on, and the Hopper backward adds dQ in varying order")
     return reasons
@@ -103,8 +90,7 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     mask, sinks or packing: the caller checks those)."""
     (_, hq, l, d), (hk, s), dv = q.shape, k.shape[1:3], v.shape[-1]
     same = k.dtype == q.dtype and v.dtype == q.dtype
-    reasons = _reasons(str(q.dtype).removeprefix("torch.") if same else "mixed", q.shape[0], d, dv, hq, hk, l, s,
-                       grad)
+    reasons = _reasons(str(q.dtype).removeprefix("torch.") if same else "mixed", d, dv, hq, hk, l, s, grad)
     if cfg.dropout_p or cfg.varlen is not None:
         reasons.append("dropout or varlen: the Hopper kernels have neither")
     if reasons:
@@ -130,7 +116,7 @@ def hopper_launch_reasons(inputs: AttentionInputs, device: torch.device, *, grad
     description, for automatic launch to ask before it chooses a launcher."""
     if device.type != "cuda":
         return [f"Mosaic GPU kernels run on CUDA devices (device {device})"]
-    reasons = _reasons(inputs.dtype, inputs.batch, inputs.head_dim, inputs.value_head_dim, inputs.num_q_heads,
+    reasons = _reasons(inputs.dtype, inputs.head_dim, inputs.value_head_dim, inputs.num_q_heads,
                        inputs.num_kv_heads, inputs.q_len, inputs.kv_len, grad=grad)
     if inputs.features - _FEATURES:
         reasons.append(f"features {sorted(inputs.features - _FEATURES)}: the Hopper kernels have none of them")
