@@ -175,6 +175,26 @@ HOPPER_TILES = dict(
 )
 
 
+#: Fewest programs the Hopper backward's grid gets where the GQA group allows (four waves of an H100's
+#: 132 multiprocessors). One program per (KV head, 128 keys) walks every query head of its group, so
+#: with few KV heads the grid is short and its longest causal walks leave multiprocessors idle: at
+#: (1, 8192) causal, 16 query heads, head dim 128, the backward ran at 488 TFLOP/s with 16 KV heads
+#: (1024 programs), 438 with 8 (512), 275 with 2 (128); `hopper_head_splits` splits the group.
+HOPPER_BACKWARD_MIN_PROGRAMS = 4 * 132
+
+
+def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: int, head_dim: int) -> int:
+    """`head_splits` of the Hopper backward for `keys` padded keys: the smallest divisor of the GQA group
+    whose grid (batch x KV heads x splits x key blocks) has at least HOPPER_BACKWARD_MIN_PROGRAMS
+    programs, or the whole group."""
+    group = num_q_heads // num_kv_heads
+    blocks = keys // (2 * HOPPER_TILES["backward"][head_dim]["block_kv"])
+    for splits in range(1, group):
+        if group % splits == 0 and batch * num_kv_heads * splits * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS:
+            return splits
+    return group
+
+
 def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool) -> tuple[int, int]:
     """(L, S) rounded up to whole tiles of the Hopper forward (`backward` False) or backward kernel at
     `head_dim`, with the tuned tiles: the lengths the caller pads to."""
@@ -196,11 +216,12 @@ def flash_hopper(query, key, value, *, scale, causal, diag_offset, window=None, 
 
 
 def flash_hopper_backward(query, key, value, d_out, lse_log2, delta, dq_accum, *, scale, causal, diag_offset,
-                          window=None, softcap=None, kv_len=None):
-    """(dq_accum + dQ float32, dK, dV): `flash_bwd_mgpu.flash_backward_mgpu_tiles` with the tuned tiles.
+                          window=None, softcap=None, kv_len=None, head_splits=1):
+    """(dq_accum + dQ float32, dK, dV): `flash_bwd_mgpu.flash_backward_mgpu_tiles` with the tuned tiles
+    (with `head_splits` > 1, dK and dV as float32 partial sums (head_splits, B, S, Hk, D) to sum).
     Padded query rows must carry lse_log2 +inf and delta 0."""
     from .kernels.flash_bwd_mgpu import flash_backward_mgpu_tiles
 
     return flash_backward_mgpu_tiles(query, key, value, d_out, lse_log2, delta, dq_accum, scale=scale, causal=causal,
                                      diag_offset=diag_offset, window=window, softcap=softcap, kv_len=kv_len,
-                                     **HOPPER_TILES["backward"][query.shape[-1]])
+                                     head_splits=head_splits, **HOPPER_TILES["backward"][query.shape[-1]])

@@ -87,7 +87,12 @@ def _vjp_backward(settings: _Settings, residuals, cotangents):
     lse_log2, delta = backward_operands(out, dout, lse)
     # d lse / d logit is the probability, so an LSE cotangent enters dS = P (dP - delta) as -dlse.
     delta = delta - dlse
+    from .calls import hopper_head_splits, hopper_padded_lengths
+
+    keys = hopper_padded_lengths(q.shape[1], k.shape[1], q.shape[-1], backward=True)[1]
     dq, dk, dv = flash_backward_mgpu(q, k, v, dout, lse_log2, delta, jnp.zeros(q.shape, jnp.float32),
+                                     head_splits=hopper_head_splits(q.shape[0], q.shape[2], k.shape[2], keys,
+                                                                    q.shape[-1]),
                                      **settings.kernel_keywords(q.shape[-1], "backward"))
     dsinks = None if sinks is None else sinks_gradient(sinks, lse, delta).astype(sinks.dtype)
     return dq.astype(q.dtype), dk, dv, dsinks

@@ -105,7 +105,7 @@ def _inputs(gen, b, l, s, hq, hk, d, torch_dtype):
 
 
 def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
-                  d=64, stages=2, dtype=jnp.float16, inputs=None, residuals="reference"):
+                  d=64, stages=2, dtype=jnp.float16, inputs=None, residuals="reference", head_splits=1):
     """Runs the backward with the features given on fresh inputs (or `inputs`: q, k, v, do as (B, H, T, D)
     float64) and checks dq, dk, dv (and the sinks' gradient) against the float64 oracle's under the 2x
     rule; rows that see no key get dq exactly 0. `residuals`: whose out and lse the backward reads, the
@@ -130,8 +130,9 @@ def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window
     lse_log2, delta = backward_operands(jout, jdo, jlse)
     got = flash_backward_mgpu(jq, jk, jv, jdo, lse_log2, delta, jnp.zeros(jq.shape, jnp.float32), scale=scale,
                               causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, stages=stages,
-                              interpret=interpret)
+                              head_splits=head_splits, interpret=interpret)
     assert [x.shape for x in got] == [jq.shape, jk.shape, jv.shape]
+    assert [x.dtype for x in got] == [jnp.float32, jk.dtype, jv.dtype]
     # On the GPU the soft cap's tanh is tanh.approx.f32 (relative error below 2**-10.9): dS's factor
     # 1 - tanh^2 and P are off by about 2**-10 relative, as is every gradient.
     floor = (2e-2 if dtype == jnp.bfloat16 else 4e-3) * (2 if softcap is not None and MODE == "gpu" else 1)
@@ -182,6 +183,14 @@ FEATURE_CASES = [
                                           alignment="bottom_right", dtype=jnp.bfloat16), id="all-features-gqa-bf16"),
     pytest.param(1, 150, 230, 2, 1, dict(window=(40, 70), softcap=3.0, sinks=True, d=128),
                  id="all-features-d128"),
+    # a GQA group split across programs (head_splits): each walks some of its query heads, and their
+    # float32 partial dK, dV are summed
+    pytest.param(1, 97, 130, 4, 1, dict(causal=True, head_splits=2), id="head-splits-2-of-4-causal"),
+    pytest.param(2, 150, 230, 4, 1, dict(window=(24, 8), softcap=4.0, sinks=True, d=128, head_splits=4,
+                                          alignment="bottom_right", dtype=jnp.bfloat16),
+                 id="head-splits-4-of-4-all-features-d128-bf16"),
+    pytest.param(1, 200, 70, 4, 2, dict(causal=True, alignment="bottom_right", head_splits=2, d=128),
+                 id="head-splits-causal-br-d128-empty"),
 ]
 
 
@@ -189,6 +198,15 @@ FEATURE_CASES = [
 def test_features_against_float64_oracle(b, l, s, hq, hk, kw, request):
     empty = _feature_case(b, l, s, hq, hk, **kw)
     assert empty.any() == request.node.callspec.id.endswith("-empty")  # the empty-row cases have some
+
+
+def test_head_splits_must_divide_the_group():
+    q = jnp.zeros((1, 64, 4, 64), jnp.float16)
+    k = jnp.zeros((1, 128, 1, 64), jnp.float16)
+    rows = jnp.zeros((1, 4, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"head_splits=3: expected a positive divisor of the GQA group \(Hq / Hk = 4\)"):
+        flash_backward_mgpu(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.1, causal=False,
+                            head_splits=3, interpret=interpret_params())
 
 
 @pytest.mark.parametrize("kw", [

@@ -92,3 +92,21 @@ def test_the_drop_in_tells_the_decision_whether_the_call_needs_gradients(monkeyp
     with torch.no_grad():
         scaled_dot_product_attention(q, k, v, is_causal=False)
     assert seen == [False, True, False]
+
+
+@pytest.mark.parametrize("b, hq, hk, keys, d, want", [
+    (1, 16, 8, 8192, 128, 2),    # 512 programs unsplit: two splits give 1024
+    (1, 16, 2, 8192, 128, 8),    # 128 programs: the whole group of 8
+    (4, 16, 2, 8192, 128, 2),    # 512: 2
+    (1, 16, 8, 16384, 128, 1),   # 1024 programs already
+    (1, 16, 16, 128, 64, 1),     # no GQA: nothing to split
+    (1, 32, 8, 4096, 128, 4),    # 256 programs: the whole group of 4 (1024)
+])
+def test_the_hopper_backward_splits_short_gqa_grids(b, hq, hk, keys, d, want):
+    from jaxattn.jax_core.calls import HOPPER_BACKWARD_MIN_PROGRAMS, hopper_head_splits
+
+    got = hopper_head_splits(b, hq, hk, keys, d)
+    assert got == want
+    group, blocks = hq // hk, keys // 128
+    assert group % got == 0
+    assert b * hk * got * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS or got == group

@@ -187,7 +187,10 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
     delta, lse_log2 = (x.reshape(batch, heads, rows) for x in (delta, lse_log2))
     accum = torch.zeros(kq.shape, dtype=torch.float32, device=q.device)
-    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_static(cfg, s))
+    splits = calls.hopper_head_splits(batch, heads, kk.shape[2], keys, q.shape[-1])
+    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, head_splits=splits, **_static(cfg, s))
+    if splits > 1:  # the splits' float32 partial sums
+        dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
     return _torch_view(dq.to(q.dtype), q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
 
 

@@ -168,6 +168,7 @@ class _Settings(NamedTuple):
     block_kv: int
     stages: int
     group: int  # query heads per KV head
+    splits: int  # programs per (KV head, key block) that share its group's query heads (`head_splits`)
     num_q_blocks: int
     interpret: object  # interpret-mode parameters, or None on the GPU
 
@@ -175,6 +176,10 @@ class _Settings(NamedTuple):
     def ragged_end(self):
         """Whether the last program holds padding keys (kv_len and up) to mask."""
         return self.kv_len % (COMPUTE_WGS * self.block_kv) != 0
+
+    @property
+    def heads_per_program(self):
+        return self.group // self.splits
 
 
 def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg: _Settings):
@@ -210,32 +215,37 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
 
 
 def _warpgroups(refs, bufs, bars, cfg: _Settings):
-    batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
+    batch, wg = lax.axis_index("batch"), lax.axis_index("wg")
+    # The grid's first axis folds (KV head, split): split `part` walks query heads
+    # [first_head, first_head + heads_per_program) of the KV head's group.
+    kv_head, part = lax.div(lax.axis_index("kv_heads"), cfg.splits), lax.rem(lax.axis_index("kv_heads"), cfg.splits)
+    first_head = kv_head * cfg.group + part * cfg.heads_per_program
     kv_start = lax.axis_index("kv_blocks") * (COMPUTE_WGS * cfg.block_kv)
     walk = _q_range(kv_start, cfg)
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(240, action="increase")
-        _compute(refs, bufs, bars, cfg, batch=batch, kv_head=kv_head, wg=wg, kv_start=kv_start, walk=walk)
+        _compute(refs, bufs, bars, cfg, batch=batch, kv_head=kv_head, part=part, first_head=first_head, wg=wg,
+                 kv_start=kv_start, walk=walk)
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(24, action="decrease")
-        _memory(refs, bufs, bars, cfg, batch=batch, kv_head=kv_head, walk=walk)
+        _memory(refs, bufs, bars, cfg, batch=batch, first_head=first_head, walk=walk)
 
 
-def _memory(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, walk):
-    block_q, stages, group = cfg.block_q, cfg.stages, cfg.group
+def _memory(refs, bufs, bars, cfg: _Settings, *, batch, first_head, walk):
+    block_q, stages = cfg.block_q, cfg.stages
     q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
     _, _, q_smem, do_smem, lse_smem, delta_smem = bufs[:6]
     first, per_head = walk.first, walk.per_head
-    steps = group * per_head
+    steps = cfg.heads_per_program * per_head
 
     @pl.loop(0, steps)
     def _(step):
         slot = lax.rem(step, jnp.int32(stages))
-        head = kv_head * group + lax.div(step, per_head)
+        head = first_head + lax.div(step, per_head)
         rows = (first + lax.rem(step, per_head)) * block_q
         block = (batch, pl.ds(rows, block_q), head)
         vector = (batch, head, pl.ds(rows, block_q))
@@ -314,9 +324,9 @@ def _mma(*terms, on_gpu):
     return list(pl.run_state(issue)(tuple(plgpu.ACC.init(init(acc)) for acc, _, _ in terms)))
 
 
-def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, walk):
+def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, part, first_head, wg, kv_start, walk):
     scale, interpret = cfg.scale, cfg.interpret
-    block_q, block_kv, stages, group = cfg.block_q, cfg.block_kv, cfg.stages, cfg.group
+    block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     _, k_ref, v_ref, _, _, _, dq_ref, dk_ref, dv_ref = refs
     k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, ds_all, dq_smem = bufs
     k_smem, v_smem, dq_smem = k_all.at[wg], v_all.at[wg], dq_smem.at[wg]
@@ -339,7 +349,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, 
         slot = lax.rem(step, jnp.int32(stages))
         own = _per_step(wg, step)  # == wg; see `_per_step`
         k_smem, v_smem = k_all.at[own], v_all.at[own]
-        head = kv_head * group + lax.div(step, per_head)
+        head = first_head + lax.div(step, per_head)
         rows = (first + lax.rem(step, per_head)) * block_q
         plgpu.barrier_wait(bars["q_ready"].at[slot])
         plgpu.barrier_wait(bars["lse_ready"].at[slot])
@@ -408,17 +418,28 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, wg, kv_start, 
             carry = lax.fori_loop(base + hi, base + per_head, functools.partial(q_step, masked=True), carry)
         return carry
 
-    dk, dv = lax.fori_loop(0, group, head_walk, carry)
+    dk, dv = lax.fori_loop(0, cfg.heads_per_program, head_walk, carry)
     if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
         plgpu.barrier_arrive(bars["ds_ready"])
         plgpu.barrier_wait(bars["ds_ready"])
-    # K and V are no longer read: their tiles take dK and dV on the way out.
-    k_smem[...] = dk.astype(dtype)
-    v_smem[...] = dv.astype(dtype)
-    plgpu.commit_smem()
-    out_block = (batch, pl.ds(keys, block_kv), kv_head)
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
+    if cfg.splits == 1:  # K and V are no longer read: their tiles take dK and dV on the way out
+        k_smem[...] = dk.astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        out_block = (batch, pl.ds(keys, block_kv), kv_head)
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
+    else:  # this split's float32 partial sums, through the dQ staging tile, column block by column block
+        width = dq_smem.shape[-1]
+        for acc, out in ((dk, dk_ref), (dv, dv_ref)):
+            for c in range(0, d, width):
+                if on_gpu:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous copy has read it
+                dq_smem[...] = acc[:, c:c + width]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dq_smem, out.at[part, batch, pl.ds(keys, block_kv), kv_head, pl.ds(c, width)])
+                if not on_gpu:
+                    plgpu.wait_smem_to_gmem(0)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -499,7 +520,7 @@ def _pad(x, length, axis, value=0):
 
 
 def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, diag_offset=0, block_q=64,
-                        block_kv=64, stages=2, window=None, softcap=None, interpret=None):
+                        block_kv=64, stages=2, window=None, softcap=None, head_splits=1, interpret=None):
     """(dq_accum + dQ, dK, dV) of softmax(scale * q k^T [causal, window, soft cap]) v, any L, S >= 1;
     see the module docstring.
 
@@ -507,7 +528,10 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
     call and nothing else, so that `plgpu.as_torch_kernel` can launch it on torch tensors, dq_accum
     updated in place), runs the kernel and slices the padding off. `window`: (left, right), -1
     unbounded, or None. `softcap`: float or None (lse_log2 must then be the capped forward's).
-    `interpret`: Mosaic GPU interpret-mode parameters to run on a CPU, or None to compile for the GPU."""
+    `head_splits`: programs per (KV head, key block), each walking Hq / Hk / head_splits of its group's
+    query heads (a divisor of the group; more programs for a short GQA grid), whose float32 partial
+    dK, dV are summed here. `interpret`: Mosaic GPU interpret-mode parameters to run on a CPU, or None
+    to compile for the GPU."""
     _check(q, k, v, do, lse_log2, delta, dq_accum, scale=scale, diag_offset=diag_offset, window=window,
            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages)
     l, s = q.shape[1], k.shape[1]
@@ -519,7 +543,9 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
     k, v = _pad(k, keys, 1), _pad(v, keys, 1)
     dq, dk, dv = _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, kv_len=s,
-        block_q=block_q, block_kv=block_kv, stages=stages, interpret=interpret))
+        block_q=block_q, block_kv=block_kv, stages=stages, head_splits=head_splits, interpret=interpret))
+    if head_splits > 1:
+        dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
     if rows != l:
         dq = dq[:, :l]
     if keys != s:
@@ -528,13 +554,15 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
 
 
 def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, kv_len=None, diag_offset=0,
-                              block_q=64, block_kv=64, stages=2, window=None, softcap=None, interpret=None):
+                              block_q=64, block_kv=64, stages=2, window=None, softcap=None, head_splits=1,
+                              interpret=None):
     """`flash_backward_mgpu` on whole tiles: L a multiple of block_q, S of 2 * block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding. Padded query rows
     must hold lse_log2 = +inf and delta = 0 (they then add nothing to dK, dV; their dQ is computed
     and left to the caller to drop); padding must be finite (zeros, say). One Mosaic GPU kernel call
     and nothing else, so that `plgpu.as_torch_kernel` can launch a function that calls this on torch
-    tensors."""
+    tensors. With `head_splits` > 1, dK and dV come as float32 partial sums (head_splits, B, S, Hk, D)
+    for the caller to sum."""
     _check(q, k, v, do, lse_log2, delta, dq_accum, scale=scale, diag_offset=diag_offset, window=window,
            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages)
     kv_len = k.shape[1] if kv_len is None else kv_len
@@ -542,18 +570,28 @@ def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, 
                       keys=("2 * block_kv", COMPUTE_WGS * block_kv), caller="flash_backward_mgpu")
     return _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
-        kv_len=int(kv_len), block_q=block_q, block_kv=block_kv, stages=stages, interpret=interpret))
+        kv_len=int(kv_len), block_q=block_q, block_kv=block_kv, stages=stages, head_splits=head_splits,
+        interpret=interpret))
 
 
-def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, block_q, block_kv, stages, interpret):
+def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, block_q, block_kv, stages, head_splits,
+              interpret):
     """The kernel's static settings for checked arguments on whole tiles."""
+    group = q.shape[2] // k.shape[2]
+    if not (isinstance(head_splits, int) and head_splits >= 1 and group % head_splits == 0):
+        raise ValueError(f"head_splits={head_splits!r}: expected a positive divisor of the GQA group "
+                         f"(Hq / Hk = {group}); hint: 1 walks the whole group in one program")
+    if head_splits > 1 and block_q != block_kv:
+        raise ValueError(f"head_splits={head_splits} with block_q={block_q}, block_kv={block_kv}: expected "
+                         "block_q == block_kv (the partial dK, dV leave through the dQ staging tile); hint: "
+                         "head_splits=1")
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
-                     stages=stages, group=q.shape[2] // k.shape[2], num_q_blocks=q.shape[1] // block_q,
+                     stages=stages, group=group, splits=head_splits, num_q_blocks=q.shape[1] // block_q,
                      interpret=interpret)
 
 
@@ -562,9 +600,13 @@ def _launch(q, k, v, do, lse_log2, delta, dq_accum, *, cfg: _Settings):
     b = q.shape[0]
     s, hk = k.shape[1], k.shape[2]
     interpret = cfg.interpret
-    mesh = plgpu.Mesh(grid=(hk, s // (COMPUTE_WGS * cfg.block_kv), b), grid_names=("kv_heads", "kv_blocks", "batch"),
-                      num_threads=COMPUTE_WGS + 1, thread_name="wg")
-    grads_kv = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    mesh = plgpu.Mesh(grid=(hk * cfg.splits, s // (COMPUTE_WGS * cfg.block_kv), b),
+                      grid_names=("kv_heads", "kv_blocks", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg")
+    if cfg.splits == 1:
+        grads_kv = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    else:  # float32 partial sums per split (every element written by one program)
+        grads_kv = (jax.ShapeDtypeStruct((cfg.splits, *k.shape), jnp.float32),
+                    jax.ShapeDtypeStruct((cfg.splits, *v.shape), jnp.float32))
     kernel = functools.partial(pl.kernel, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True))
     if interpret is None:  # dq_accum goes in as a mutable ref: the kernel adds into it in place
         run = kernel(lambda *refs: _program(*refs, cfg=cfg), out_type=grads_kv)
