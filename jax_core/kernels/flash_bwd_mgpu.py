@@ -17,7 +17,8 @@ the bare kernel call on whole tiles, for launchers (such as `plgpu.as_torch_kern
 themselves.
 
 One program (a CUDA block of three warpgroups) owns 2 * block_kv keys of one KV head and walks the
-query blocks of every query head of its group that see them:
+query blocks of every query head of its group that see them (with `head_splits` > 1, of its share of
+the group: a short GQA grid gets more programs, each writing float32 partial dK, dV to be summed):
     * warpgroup 2 (memory) streams Q, dO, LSE and delta blocks by TMA into a ring of `stages`
       shared-memory slots; `*_ready` barriers say a slot is filled, `*_free` barriers (one arrival
       per compute warpgroup) say both have read it.
