@@ -79,6 +79,7 @@ def _vjp_forward(q, k, v, sinks, settings: _Settings):
 
 
 def _vjp_backward(settings: _Settings, residuals, cotangents):
+    from .calls import hopper_head_splits, hopper_padded_lengths
     from .kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu, sinks_gradient
 
     q, k, v, sinks, out, lse = residuals
@@ -87,8 +88,6 @@ def _vjp_backward(settings: _Settings, residuals, cotangents):
     lse_log2, delta = backward_operands(out, dout, lse)
     # d lse / d logit is the probability, so an LSE cotangent enters dS = P (dP - delta) as -dlse.
     delta = delta - dlse
-    from .calls import hopper_head_splits, hopper_padded_lengths
-
     keys = hopper_padded_lengths(q.shape[1], k.shape[1], q.shape[-1], backward=True)[1]
     dq, dk, dv = flash_backward_mgpu(q, k, v, dout, lse_log2, delta, jnp.zeros(q.shape, jnp.float32),
                                      head_splits=hopper_head_splits(q.shape[0], q.shape[2], k.shape[2], keys,

@@ -204,7 +204,8 @@ def test_head_splits_must_divide_the_group():
     q = jnp.zeros((1, 64, 4, 64), jnp.float16)
     k = jnp.zeros((1, 128, 1, 64), jnp.float16)
     rows = jnp.zeros((1, 4, 64), jnp.float32)
-    with pytest.raises(ValueError, match=r"head_splits=3: expected a positive divisor of the GQA group \(Hq / Hk = 4\)"):
+    with pytest.raises(ValueError, match=r"head_splits=3: expected a positive divisor of the GQA group \(Hq / Hk = 4\); "
+                                         r"hint: 1 walks"):
         flash_backward_mgpu(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.1, causal=False,
                             head_splits=3, interpret=interpret_params())
 
