@@ -1,7 +1,7 @@
 """The Hopper kernels (Pallas Mosaic GPU forward and backward) through the torch drop-in, against the
 same drop-in on the Triton kernels and torch's own SDPA backends (cuDNN, flash), in one process.
 
-    python benchmarks/hopper_torch_gpu.py [--out hopper_torch.json] [--quick]
+    python benchmarks/hopper_torch_gpu.py [--out hopper_torch.json] [--quick | --head-dim-64]
 
 Rows, causal bf16 at head dim 128 unless noted, each timed forward only (no grad) and forward +
 backward (autograd.grad of the output against a fixed cotangent):
@@ -10,10 +10,10 @@ backward (autograd.grad of the output against a fixed cotangent):
       which these rows set, off);
     * "jaxattn triton": the same call with the Hopper kernels switched off (the Triton kernels);
     * "torch cudnn" / "torch flash": F.scaled_dot_product_attention under `sdpa_kernel`.
-Then head dim 64 (the Hopper forward; forward + backward runs the Triton kernels) and lengths that
-are not whole tiles. And the feature costs at (2,16,8192,128): the forward kernel with a soft cap,
-sinks, or a causal window covering every key, against the plain causal kernel (as_torch_kernel
-directly); forward + backward through `hopper_flash` with a soft cap or windows.
+Then head dim 64, GQA at head dim 64, and lengths that are not whole tiles. And the feature costs at
+(2,16,8192,128): the forward kernel with a soft cap, sinks, or a causal window covering every key,
+against the plain causal kernel (as_torch_kernel directly); forward + backward through `hopper_flash`
+with a soft cap or windows.
 
 Timing: `gpu_timing.time_torch` (back-to-back calls between CUDA events, median of repeats).
 TFLOP/s: forward 4*B*H*L*S*D (halved for causal), forward + backward 3.5x that. Each row's output
@@ -37,9 +37,11 @@ from gpu_timing import time_torch
 from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention, sdpa_launcher
 
 SHAPES = [(1, 16, 16384, 128), (2, 16, 8192, 128), (2, 16, 4096, 128), (4, 16, 2048, 128), (8, 16, 1024, 128)]
-# Head dim 64: the Hopper forward only (with gradients the rows run the Triton kernels); and lengths
-# that are not whole tiles (one padded copy).
+# Head dim 64 (the issue's target shapes among them), GQA at head dim 64 as (B, Hq, Hk, L, D) (model B
+# of the model benchmark: 32 query heads, 8 KV heads); and lengths that are not whole tiles (one
+# padded copy).
 SHAPES_64 = [(1, 16, 16384, 64), (1, 16, 8192, 64), (4, 16, 4096, 64), (16, 16, 1024, 64)]
+GQA_SHAPES_64 = [(2, 32, 8, 4096, 64), (1, 32, 8, 8192, 64)]
 EDGE_SHAPES = [(2, 16, 8000, 128), (1, 16, 8000, 64)]
 FEATURE_SHAPE = (2, 16, 8192, 128)
 
@@ -50,12 +52,13 @@ def flops(b, h, l, d, causal):
 
 def drop_in(hopper: bool):
     def run(q, k, v, causal):
+        gqa = q.shape[1] != k.shape[1]
         saved = dict(hopper_flash.HOPPER_MIN_LENGTH)
         # "hopper": every eligible shape (no length threshold); "triton": none.
         hopper_flash.HOPPER_MIN_LENGTH.update(forward=0 if hopper else math.inf, train=0 if hopper else math.inf)
         try:
             with sdpa_launcher("native"):
-                return scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         finally:
             hopper_flash.HOPPER_MIN_LENGTH.update(saved)
     return run
@@ -64,7 +67,7 @@ def drop_in(hopper: bool):
 def torch_backend(backend):
     def run(q, k, v, causal):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return run
 
 
@@ -73,12 +76,14 @@ ROWS = {"jaxattn hopper": drop_in(True), "jaxattn triton": drop_in(False),
 
 
 def measure(shape, causal, dtype, rows):
-    b, h, l, d = shape
+    """One shape, (B, H, L, D) or with GQA (B, Hq, Hk, L, D), through every row."""
+    b, h, hk, l, d = shape if len(shape) == 5 else (*shape[:2], *shape[1:])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, cot = (torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=dtype) for _ in range(4))
+    q, k, v, cot = (torch.randn(b, heads, l, d, generator=gen, device="cuda", dtype=dtype) for heads in (h, hk, hk, h))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     with torch.no_grad():
-        want = F.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(), is_causal=causal)
+        want = F.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(), is_causal=causal,
+                                              enable_gqa=h != hk)
     for name, fn in ROWS.items():
         row = dict(shape=list(shape), causal=causal, dtype=str(dtype).split(".")[-1], row=name)
         try:
@@ -164,17 +169,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="the first shape only, no feature costs")
+    parser.add_argument("--head-dim-64", action="store_true", help="the head-dim-64 shapes only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
     rows = []
-    for shape in SHAPES[:1] if args.quick else SHAPES:
+    if args.head_dim_64:
+        for shape in SHAPES_64 + GQA_SHAPES_64 + EDGE_SHAPES[1:]:
+            measure(shape, True, torch.bfloat16, rows)
+    for shape in [] if args.head_dim_64 else SHAPES[:1] if args.quick else SHAPES:
         measure(shape, True, torch.bfloat16, rows)
-    if not args.quick:
+    if not (args.quick or args.head_dim_64):
         measure(SHAPES[0], False, torch.bfloat16, rows)
         measure(SHAPES[1], True, torch.float16, rows)
-        for shape in SHAPES_64 + EDGE_SHAPES:
+        for shape in SHAPES_64 + GQA_SHAPES_64 + EDGE_SHAPES:
             measure(shape, True, torch.bfloat16, rows)
         feature_costs(rows)
     if args.out:

@@ -168,29 +168,32 @@ def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes
 # `kv_len` (None: every key is real). `window` (left, right) with -1 unbounded, or None;
 # `softcap` a float or None. The tile settings, per head dim, are the ones measured fastest on an H100
 # (BENCHMARKS.md, "Hopper kernels"): at head dim 64 the forward's 256-key blocks halve the steps of a
-# walk whose products are small.
+# walk whose products are small, and the backward's 128-row query blocks (its warpgroups splitting
+# dQ's rows) ran 8-12% faster than 64-row ones.
 HOPPER_TILES = dict(
     forward={64: dict(block_q=64, block_kv=256, stages=2), 128: dict(block_q=64, block_kv=128, stages=2)},
-    backward={64: dict(block_q=64, block_kv=64, stages=2), 128: dict(block_q=64, block_kv=64, stages=2)},
+    backward={64: dict(block_q=128, block_kv=64, stages=2), 128: dict(block_q=64, block_kv=64, stages=2)},
 )
 
 
-#: Fewest programs the Hopper backward's grid gets where the GQA group allows (four waves of an H100's
-#: 132 multiprocessors). One program per (KV head, 128 keys) walks every query head of its group, so
-#: with few KV heads the grid is short and its longest causal walks leave multiprocessors idle: at
-#: (1, 8192) causal, 16 query heads, head dim 128, the backward ran at 488 TFLOP/s with 16 KV heads
-#: (1024 programs), 438 with 8 (512), 275 with 2 (128); `hopper_head_splits` splits the group.
-HOPPER_BACKWARD_MIN_PROGRAMS = 4 * 132
+#: Fewest programs the Hopper backward's grid gets, per head dim, where the GQA group allows. One
+#: program per (KV head, 128 keys) walks every query head of its group, so with few KV heads the grid
+#: is short and its longest causal walks leave multiprocessors idle. Head dim 128 (H100, causal, (1,
+#: 8192), 16 query heads): 488 TFLOP/s with 16 KV heads (1024 programs), 438 with 8 (512), 275 with 2
+#: (128): four waves of 132. Head dim 64, whose programs walk faster: (1, 8192, 32/8 heads) 353 / 380
+#: / 398 TFLOP/s with 512 / 1024 / 2048 programs, (2, 4096, 32/8) 329 / 351 / 390, (1, 16384, 32/8)
+#: 444 / 442 / 426 with 1024 / 2048 / 4096.
+HOPPER_BACKWARD_MIN_PROGRAMS = {64: 2048, 128: 4 * 132}
 
 
 def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: int, head_dim: int) -> int:
     """`head_splits` of the Hopper backward for `keys` padded keys: the smallest divisor of the GQA group
     whose grid (batch x KV heads x splits x key blocks) has at least HOPPER_BACKWARD_MIN_PROGRAMS
-    programs, or the whole group."""
+    programs at this head dim, or the whole group."""
     group = num_q_heads // num_kv_heads
     blocks = keys // (2 * HOPPER_TILES["backward"][head_dim]["block_kv"])
     for splits in range(1, group):
-        if group % splits == 0 and batch * num_kv_heads * splits * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS:
+        if group % splits == 0 and batch * num_kv_heads * splits * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS[head_dim]:
             return splits
     return group
 

@@ -105,7 +105,7 @@ def _inputs(gen, b, l, s, hq, hk, d, torch_dtype):
 
 
 def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
-                  d=64, stages=2, dtype=jnp.float16, inputs=None, residuals="reference", head_splits=1):
+                  d=64, stages=2, dtype=jnp.float16, inputs=None, residuals="reference", head_splits=1, block_q=64):
     """Runs the backward with the features given on fresh inputs (or `inputs`: q, k, v, do as (B, H, T, D)
     float64) and checks dq, dk, dv (and the sinks' gradient) against the float64 oracle's under the 2x
     rule; rows that see no key get dq exactly 0. `residuals`: whose out and lse the backward reads, the
@@ -130,7 +130,7 @@ def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window
     lse_log2, delta = backward_operands(jout, jdo, jlse)
     got = flash_backward_mgpu(jq, jk, jv, jdo, lse_log2, delta, jnp.zeros(jq.shape, jnp.float32), scale=scale,
                               causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, stages=stages,
-                              head_splits=head_splits, interpret=interpret)
+                              head_splits=head_splits, block_q=block_q, interpret=interpret)
     assert [x.shape for x in got] == [jq.shape, jk.shape, jv.shape]
     assert [x.dtype for x in got] == [jnp.float32, jk.dtype, jv.dtype]
     # On the GPU the soft cap's tanh is tanh.approx.f32 (relative error below 2**-10.9): dS's factor
@@ -191,6 +191,14 @@ FEATURE_CASES = [
                  id="head-splits-4-of-4-all-features-d128-bf16"),
     pytest.param(1, 200, 70, 4, 2, dict(causal=True, alignment="bottom_right", head_splits=2, d=128),
                  id="head-splits-causal-br-d128-empty"),
+    # head dim 64 with 128-row query blocks: the warpgroups split dQ's rows (each 64, over both
+    # warpgroups' keys)
+    pytest.param(1, 97, 130, 4, 2, dict(causal=True, block_q=128), id="dq-rows-edge-97x130-causal-gqa"),
+    pytest.param(1, 300, 200, 2, 2, dict(window=(30, 50), alignment="bottom_right", block_q=128,
+                                          dtype=jnp.bfloat16), id="dq-rows-window-br-bf16-empty"),
+    pytest.param(1, 150, 230, 4, 2, dict(window=(24, 8), softcap=4.0, sinks=True, causal=True, block_q=128),
+                 id="dq-rows-all-features-gqa"),
+    pytest.param(2, 200, 260, 4, 1, dict(causal=True, head_splits=2, block_q=128), id="dq-rows-head-splits-causal"),
 ]
 
 

@@ -33,7 +33,7 @@ def test_reasons_name_what_keeps_a_call_off_the_hopper_kernels():
     k = torch.empty(1, 4, 8192, 128, dtype=torch.bfloat16, **meta)
     cases = [
         ((q.float(), k.float(), k.float(), cfg), "dtype float32"),
-        ((q[..., :64], k[..., :64], k[..., :64], cfg), "head dims 64/64"),
+        ((q[..., :80], k[..., :80], k[..., :80], cfg), "head dims 80/80"),
         ((q, k, k, FlashConfig(scale=0.1, causal=True, dropout_p=0.1)), "dropout or varlen"),
         ((q, k, k, FlashConfig(scale=0.1, varlen=(8192, 8192))), "dropout or varlen"),
         ((q[:, :, :2000], k, k, cfg), "lengths L=2000, S=8192 below 4096 with gradients"),
@@ -43,9 +43,10 @@ def test_reasons_name_what_keeps_a_call_off_the_hopper_kernels():
     for args, want in cases:
         reasons = hopper_flash.hopper_reasons(*args, grad=True)
         assert any(want in r for r in reasons), (want, reasons)
-    # Head dim 64 runs the forward alone; 80 neither.
+    # Head dim 64 runs both kernels; 80 neither.
     device_only = ["Mosaic GPU kernels run on CUDA devices (device meta)"]
-    assert hopper_flash.hopper_reasons(q[..., :64], k[..., :64], k[..., :64], cfg, grad=False) == device_only
+    for grad in (False, True):
+        assert hopper_flash.hopper_reasons(q[..., :64], k[..., :64], k[..., :64], cfg, grad=grad) == device_only
     assert any("head dims 80/80" in r for r in hopper_flash.hopper_reasons(q[..., :80], k[..., :80], k[..., :80], cfg,
                                                                                grad=False))
 
@@ -170,13 +171,14 @@ def _cuda_tensor(gen, b, h, t, d, memory):
     (1, 16, 4, 4097, 4161, True, "BHLD"),   # lengths not whole tiles: padded (one copy), keys masked
     (1, 16, 16, 4161, 2113, False, "BLHD"),  # L > S, both partial
 ])
-def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
+@pytest.mark.parametrize("d", [128, 64])  # 64: 128-row query blocks in the backward, dQ's rows split
+def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal, memory, d):
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 2048)  # shorter shapes, the same kernels
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 2048)
     taken = _count_hopper_calls(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
-    q, k, v = (_cuda_tensor(gen, b, h, t, 128, memory) for h, t in ((hq, l), (hk, s), (hk, s)))
-    cot = torch.randn(b, hq, l, 128, generator=gen, device="cuda")
+    q, k, v = (_cuda_tensor(gen, b, h, t, d, memory) for h, t in ((hq, l), (hk, s), (hk, s)))
+    cot = torch.randn(b, hq, l, d, generator=gen, device="cuda")
     gqa = hq != hk
     leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]  # .to keeps the memory layout
     with sdpa_launcher("native"):
@@ -235,8 +237,7 @@ def test_compiled_drop_in_runs_the_hopper_kernels(monkeypatch, mode):
     (1, 8, 8, 4096, 8192, True, "BHLD"),  # L < S, causal top-left: key blocks past the last row skipped
 ])
 def test_drop_in_runs_the_hopper_forward_at_head_dim_64(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
-    """Without gradients, head dim 64 takes the Hopper forward (256-key tiles); with them, the Triton
-    kernels (`hopper_reasons`)."""
+    """Without gradients, head dim 64 takes the Hopper forward (256-key tiles)."""
     taken = _count_hopper_calls(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
     q, k, v = (_cuda_tensor(gen, b, h, t, 64, memory) for h, t in ((hq, l), (hk, s), (hk, s)))
@@ -249,9 +250,8 @@ def test_drop_in_runs_the_hopper_forward_at_head_dim_64(monkeypatch, dtype, b, h
         low, _ = _math(q, k, v, causal, dtype, gqa)
     err, torch_err = ((x.float() - want).abs().max().item() for x in (out, low))
     assert err <= 2 * torch_err + 1e-3, (err, torch_err)
-    assert not hopper_flash.hopper_reasons(q.to(dtype), k.to(dtype), v.to(dtype), FlashConfig(scale=0.125), False)
-    assert any("head dims 64/64" in r for r in hopper_flash.hopper_reasons(
-        q.to(dtype), k.to(dtype), v.to(dtype), FlashConfig(scale=0.125), True))
+    for grad in (False, True):
+        assert not hopper_flash.hopper_reasons(q.to(dtype), k.to(dtype), v.to(dtype), FlashConfig(scale=0.125), grad)
 
 
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")

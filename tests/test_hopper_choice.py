@@ -38,7 +38,7 @@ def test_a_long_call_launches_natively_with_or_without_gradients(cuda_launcher):
 
 
 @pytest.mark.parametrize("change, want", [
-    (dict(d=64), "head dims 64/64: the Hopper kernels run head dims (128,) with gradients"),
+    (dict(d=80), "head dims 80/80: the Hopper kernels run head dims (64, 128) with gradients"),
     (dict(l=2048, s=2048), "S=2048 below 4096 with gradients"),
 ])
 def test_calls_the_hopper_backward_cannot_run_keep_jax_cudnn(cuda_launcher, change, want):
@@ -62,8 +62,9 @@ def test_calls_the_hopper_forward_cannot_run_keep_their_launcher(cuda_launcher, 
 
 
 @pytest.mark.parametrize("change", [dict(d=64), dict(l=16001, s=9000), dict(features=("sliding_window", "softcap"))])
-def test_head_dim_64_windows_soft_caps_and_partial_tiles_take_the_hopper_forward(cuda_launcher, change):
-    assert hopper_flash.hopper_launch_reasons(_inputs(**change), CUDA, grad=False) == []
+def test_head_dim_64_windows_soft_caps_and_partial_tiles_take_the_hopper_kernels(cuda_launcher, change):
+    for grad in (False, True):
+        assert hopper_flash.hopper_launch_reasons(_inputs(**change), CUDA, grad=grad) == []
 
 
 def test_deterministic_mode_keeps_jax_cudnn(cuda_launcher):
@@ -101,6 +102,9 @@ def test_the_drop_in_tells_the_decision_whether_the_call_needs_gradients(monkeyp
     (1, 16, 8, 16384, 128, 1),   # 1024 programs already
     (1, 16, 16, 128, 64, 1),     # no GQA: nothing to split
     (1, 32, 8, 4096, 128, 4),    # 256 programs: the whole group of 4 (1024)
+    (1, 32, 8, 8192, 64, 4),     # head dim 64 wants 2048: 512 programs unsplit, the whole group of 4
+    (1, 32, 8, 16384, 64, 2),    # 1024 unsplit: two splits give 2048
+    (1, 32, 8, 32768, 64, 1),    # 2048 already
 ])
 def test_the_hopper_backward_splits_short_gqa_grids(b, hq, hk, keys, d, want):
     from jaxattn.jax_core.calls import HOPPER_BACKWARD_MIN_PROGRAMS, hopper_head_splits
@@ -109,4 +113,4 @@ def test_the_hopper_backward_splits_short_gqa_grids(b, hq, hk, keys, d, want):
     assert got == want
     group, blocks = hq // hk, keys // 128
     assert group % got == 0
-    assert b * hk * got * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS or got == group
+    assert b * hk * got * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS[d] or got == group

@@ -1,19 +1,18 @@
 """The Hopper flash kernels (Pallas Mosaic GPU: `flash_fwd_mgpu`, `flash_bwd_mgpu`) launched from torch.
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
-sm90, bf16/fp16, head dim 128 (query and value), causal in either alignment or none, sliding
+sm90, bf16/fp16, head dim 64 or 128 (query and value), causal in either alignment or none, sliding
 windows, a logits soft cap, GQA, no bias, mask, dropout, sinks or packing, not inside CUDA graph
 capture (a first launch loads its module), and query and key lengths of at least `HOPPER_MIN_LENGTH`
 (forward only, or with gradients), below which the Triton kernels measured faster (H100,
 BENCHMARKS.md "Hopper kernels"). Eager calls launch directly; under torch.compile a call is the
 custom op `jaxattn::hopper_flash` (with its backward op, `bridge.mosaic_op`), which Inductor keeps
 opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
-Without gradients, head dim 64 too (the forward kernel with 256-key blocks). Automatic launch
-(`launch.native_decision`) sends a prepared call that `hopper_launch_reasons` accepts (with or without
-gradients, as the call needs) to the native launcher, and so to these kernels, instead of JAX's cuDNN;
-a call whose need of gradients is unknown keeps JAX's cuDNN.
+Automatic launch (`launch.native_decision`) sends a prepared call that `hopper_launch_reasons` accepts
+(with or without gradients, as the call needs) to the native launcher, and so to these kernels,
+instead of JAX's cuDNN; a call whose need of gradients is unknown keeps JAX's cuDNN.
 
-Any lengths: the kernels move whole tiles (128 query rows, 128 keys serve both; 256 keys in the
+Any lengths: the kernels move whole tiles (128 query rows and 128 keys serve both; 256 keys in the
 head-dim-64 forward), so a tensor whose length is not a whole number of tiles is copied once into a
 zero-padded buffer (the copy a non-contiguous layout takes anyway), the kernels get the true key
 count and mask the padded keys, padded query rows get LSE +inf and delta 0 in the backward (so they
@@ -54,10 +53,8 @@ HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
-#: Head dims of the kernels, forward only and with gradients (the head-dim-64 backward kernel ran at
-#: 249-282 TFLOP/s against cuDNN's 349-351, BENCHMARKS.md "Hopper kernels"; it is not offered until
-#: it beats cuDNN).
-HOPPER_HEAD_DIMS = dict(forward=(64, 128), train=(128,))
+#: Head dims of the kernels, forward only and with gradients.
+HOPPER_HEAD_DIMS = dict(forward=(64, 128), train=(64, 128))
 #: jax_core features (`AttentionInputs.features`) the kernels take.
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap"})
 

@@ -25,9 +25,10 @@ the group: a short GQA grid gets more programs, each writing float32 partial dK,
     * warpgroup w in {0, 1} (compute) keeps its block_kv keys' K, V and its dK, dV accumulators for
       the whole walk. Per query block, with wgmma: S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE),
       dP^T = V dO^T, dV += P^T dO, dS^T = scale P^T (dP^T - delta), dK += dS^T Q, and a share of
-      dQ = dS K read from dS^T in shared memory. At head dim 128 the two warpgroups split dQ's
-      columns (64 each, over both warpgroups' keys: one rendezvous per block, half the registers
-      and half the adds); at head dim 64 each computes dQ over its own keys.
+      dQ = dS K read from dS^T in shared memory (`dq_split`). At head dim 128 the two warpgroups
+      split dQ's columns (64 each), at head dim 64 with 128-row query blocks its rows (64 each),
+      over both warpgroups' keys: one rendezvous per block, half the registers and half the adds.
+      Otherwise (head dim 64, 64-row blocks) each computes dQ over its own keys.
     * dQ: every program adds its partial dQ into dq_accum by a TMA reduce-add (float32, in L2).
       The sum is therefore not bit-reproducible run to run (the order of the adds varies); the
       Triton kernels remain the deterministic backward.
@@ -82,12 +83,27 @@ def sinks_gradient(sinks, lse, delta):
     return -jnp.einsum("bhl,bhl->h", weight, delta.astype(jnp.float32))
 
 
-def _splits_dq(d):
-    """Whether the two compute warpgroups split dQ's columns (head dim 128: each takes 64, the 128-byte
-    swizzle tile) instead of each computing a whole partial dQ over its own keys. Split, dQ needs both
-    warpgroups' dS in shared memory (a rendezvous per step) but half the accumulator registers and
-    half the float32 adds to global memory."""
-    return d % (COMPUTE_WGS * 64) == 0
+def dq_split(d, block_q):
+    """How the two compute warpgroups share a query block's dQ = dS K: "columns" (head dim 128: each
+    takes 64 columns, the 128-byte swizzle tile), "rows" (head dim 64 with 128-row query blocks: each
+    takes 64 rows), or None (each computes a whole partial dQ over its own keys). Split either way,
+    dQ is over both warpgroups' keys, so it needs both warpgroups' dS in shared memory (a rendezvous
+    per step), but half the accumulator registers and half the float32 adds to global memory."""
+    if d % (COMPUTE_WGS * 64) == 0:
+        return "columns"
+    if d == 64 and block_q == COMPUTE_WGS * 64:
+        return "rows"
+    return None
+
+
+def _staging_shape(d, block_q):
+    """One compute warpgroup's float32 dQ staging tile: its share of a query block's dQ."""
+    split = dq_split(d, block_q)
+    if split == "columns":
+        return block_q, d // COMPUTE_WGS
+    if split == "rows":
+        return block_q // COMPUTE_WGS, d
+    return block_q, d
 
 
 def smem_bytes(d, itemsize, *, block_q, block_kv, stages):
@@ -95,9 +111,9 @@ def smem_bytes(d, itemsize, *, block_q, block_kv, stages):
     the float32 dQ staging tiles (LSE and delta slots are a few hundred bytes)."""
     kv = 2 * COMPUTE_WGS * block_kv * d * itemsize
     rings = 2 * stages * block_q * d * itemsize
-    ds = COMPUTE_WGS * block_kv * block_q * itemsize * (2 if _splits_dq(d) else 1)
-    dq = block_q * d * 4 * (1 if _splits_dq(d) else COMPUTE_WGS)
-    return kv + rings + ds + dq
+    ds = COMPUTE_WGS * block_kv * block_q * itemsize * (2 if dq_split(d, block_q) else 1)
+    rows, cols = _staging_shape(d, block_q)
+    return kv + rings + ds + COMPUTE_WGS * rows * cols * 4
 
 
 def _check(q, k, v, do, lse_log2, delta, dq_accum, *, scale, diag_offset, window, softcap, block_q, block_kv,
@@ -196,10 +212,10 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
         plgpu.SMEM((stages, block_q, d), dtype, **tiled),  # dO ring
         plgpu.SMEM((stages, block_q), jnp.float32),  # LSE ring
         plgpu.SMEM((stages, block_q), jnp.float32),  # delta ring
-        # dS^T of each warpgroup; with split columns, two buffers by step parity (the other warpgroup
-        # may still read the previous step's).
-        plgpu.SMEM(((2,) if _splits_dq(d) else ()) + (COMPUTE_WGS, block_kv, block_q), dtype, **tiled),
-        plgpu.SMEM((COMPUTE_WGS, block_q, d // COMPUTE_WGS if _splits_dq(d) else d), jnp.float32),  # dQ staging
+        # dS^T of each warpgroup; with dQ split, two buffers by step parity (the other warpgroup may
+        # still read the previous step's).
+        plgpu.SMEM(((2,) if dq_split(d, block_q) else ()) + (COMPUTE_WGS, block_kv, block_q), dtype, **tiled),
+        plgpu.SMEM((COMPUTE_WGS, *_staging_shape(d, block_q)), jnp.float32),  # dQ staging
     )
     barriers = dict(
         kv_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
@@ -332,7 +348,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, part, first_he
     k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, ds_all, dq_smem = bufs
     k_smem, v_smem, dq_smem = k_all.at[wg], v_all.at[wg], dq_smem.at[wg]
     d, dtype = k_smem.shape[-1], k_smem.dtype
-    split = _splits_dq(d)
+    split = dq_split(d, block_q)
     on_gpu = interpret is None
     # With a soft cap the exponent is softcap * log2(e) * tanh(scale / softcap * s) (as in the forward).
     scale_log2 = (scale if cfg.softcap is None else cfg.softcap) * LOG2E
@@ -389,18 +405,23 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, part, first_he
         dv, dk = _mma((dv, p16, do_slot), (dk, ds16, q_slot), on_gpu=on_gpu)
         plgpu.barrier_arrive(bars["do_free"].at[slot])
         plgpu.barrier_wait(bars["ds_ready"])  # the other warpgroup's dS^T is in shared memory too
-        half = d // COMPUTE_WGS
         assert COMPUTE_WGS == 2
-        for w in range(COMPUTE_WGS):  # static column slices (swizzle tiles), one branch per warpgroup
+        for w in range(COMPUTE_WGS):  # static slices (swizzle tiles), one branch per warpgroup
             @pl.when(wg == w)
             def _():
-                cols = pl.ds(w * half, half)
-                # dQ[:, cols] = dS K[:, cols], dS over both warpgroups' keys.
                 # (Indices derived from wg: Mosaic GPU in jax 0.11 rejects constant ones into these refs.)
                 both = (own, 1 - own)
-                dq, = _mma(((block_q, half), tuple(_T(ds_both.at[u]) for u in both),
-                            tuple(k_all.at[u, :, cols] for u in both)), on_gpu=on_gpu)
-                target = (*dq_rows, cols)
+                if split == "columns":  # dQ[:, cols] = dS K[:, cols]
+                    cols = pl.ds(w * (d // 2), d // 2)
+                    ds_parts = tuple(_T(ds_both.at[u]) for u in both)
+                    k_parts = tuple(k_all.at[u, :, cols] for u in both)
+                    target = (*dq_rows, cols)
+                else:  # dQ[rows] = dS[rows] K: the rows are columns of dS^T
+                    half = pl.ds(w * (block_q // 2), block_q // 2)
+                    ds_parts = tuple(_T(ds_both.at[u, :, half]) for u in both)
+                    k_parts = tuple(k_all.at[u] for u in both)
+                    target = (batch, pl.ds(rows + w * (block_q // 2), block_q // 2), head)
+                dq, = _mma((dq_smem.shape, ds_parts, k_parts), on_gpu=on_gpu)
                 _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
         plgpu.barrier_arrive(bars["q_free"].at[slot])
         return dk, dv
@@ -430,7 +451,8 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, part, first_he
         out_block = (batch, pl.ds(keys, block_kv), kv_head)
         plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
         plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
-    else:  # this split's float32 partial sums, through the dQ staging tile, column block by column block
+    else:  # this split's float32 partial sums, through the dQ staging tile (block_kv rows), column block by
+        # column block
         width = dq_smem.shape[-1]
         for acc, out in ((dk, dk_ref), (dv, dv_ref)):
             for c in range(0, d, width):
@@ -582,10 +604,11 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     if not (isinstance(head_splits, int) and head_splits >= 1 and group % head_splits == 0):
         raise ValueError(f"head_splits={head_splits!r}: expected a positive divisor of the GQA group "
                          f"(Hq / Hk = {group}); hint: 1 walks the whole group in one program")
-    if head_splits > 1 and block_q != block_kv:
-        raise ValueError(f"head_splits={head_splits} with block_q={block_q}, block_kv={block_kv}: expected "
-                         "block_q == block_kv (the partial dK, dV leave through the dQ staging tile); hint: "
-                         "head_splits=1")
+    staging_rows = _staging_shape(q.shape[3], block_q)[0]
+    if head_splits > 1 and staging_rows != block_kv:
+        raise ValueError(f"head_splits={head_splits} with block_q={block_q}, block_kv={block_kv}, head dim "
+                         f"{q.shape[3]}: expected a dQ staging tile of block_kv rows (it has {staging_rows}; the "
+                         "partial dK, dV leave through it); hint: block_q == block_kv, or head_splits=1")
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
