@@ -218,6 +218,18 @@ def test_head_splits_must_divide_the_group():
                             head_splits=3, interpret=interpret_params())
 
 
+def test_head_splits_need_a_staging_tile_of_block_kv_rows():
+    """Split partial dK, dV leave through the dQ staging tile: with 64-row query blocks at head dim 64 it
+    is (64, 64), which 128-key blocks do not fit."""
+    q = jnp.zeros((1, 64, 4, 64), jnp.float16)
+    k = jnp.zeros((1, 256, 1, 64), jnp.float16)
+    rows = jnp.zeros((1, 4, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"head_splits=2 with block_q=64, block_kv=128, head dim 64: expected a dQ "
+                                         r"staging tile of block_kv rows \(it has 64;.*hint: block_q == block_kv"):
+        flash_backward_mgpu(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.1, causal=False,
+                            block_kv=128, head_splits=2, interpret=interpret_params())
+
+
 @pytest.mark.parametrize("kw", [
     pytest.param(dict(window=(24, 8), softcap=4.0, sinks=True, causal=True, alignment="bottom_right"), id="all-d64"),
     pytest.param(dict(window=(-1, 20), softcap=3.0, sinks=True, d=128), id="right-only-d128"),

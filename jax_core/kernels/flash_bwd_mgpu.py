@@ -451,8 +451,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, part, first_he
         out_block = (batch, pl.ds(keys, block_kv), kv_head)
         plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
         plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
-    else:  # this split's float32 partial sums, through the dQ staging tile (block_kv rows), column block by
-        # column block
+    else:  # this split's float32 partial sums, column block by column block through the dQ staging tile
         width = dq_smem.shape[-1]
         for acc, out in ((dk, dk_ref), (dv, dv_ref)):
             for c in range(0, d, width):
