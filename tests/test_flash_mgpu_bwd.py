@@ -208,26 +208,20 @@ def test_features_against_float64_oracle(b, l, s, hq, hk, kw, request):
     assert empty.any() == request.node.callspec.id.endswith("-empty")  # the empty-row cases have some
 
 
-def test_head_splits_must_divide_the_group():
+@pytest.mark.parametrize("keys, kw, match", [
+    (128, dict(head_splits=3), r"head_splits=3: expected a positive divisor of the GQA group \(Hq / Hk = 4\); "
+                               r"hint: 1 walks"),
+    # split partial dK, dV leave through the dQ staging tile, (64, 64) here: 128-key blocks do not fit
+    (256, dict(head_splits=2, block_kv=128), r"head_splits=2 with block_q=64, block_kv=128, head dim 64: expected a "
+                                             r"dQ staging tile of block_kv rows \(it has 64;.*hint: block_q == block_kv"),
+])
+def test_head_splits_are_checked(keys, kw, match):
     q = jnp.zeros((1, 64, 4, 64), jnp.float16)
-    k = jnp.zeros((1, 128, 1, 64), jnp.float16)
+    k = jnp.zeros((1, keys, 1, 64), jnp.float16)
     rows = jnp.zeros((1, 4, 64), jnp.float32)
-    with pytest.raises(ValueError, match=r"head_splits=3: expected a positive divisor of the GQA group \(Hq / Hk = 4\); "
-                                         r"hint: 1 walks"):
+    with pytest.raises(ValueError, match=match):
         flash_backward_mgpu(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.1, causal=False,
-                            head_splits=3, interpret=interpret_params())
-
-
-def test_head_splits_need_a_staging_tile_of_block_kv_rows():
-    """Split partial dK, dV leave through the dQ staging tile: with 64-row query blocks at head dim 64 it
-    is (64, 64), which 128-key blocks do not fit."""
-    q = jnp.zeros((1, 64, 4, 64), jnp.float16)
-    k = jnp.zeros((1, 256, 1, 64), jnp.float16)
-    rows = jnp.zeros((1, 4, 64), jnp.float32)
-    with pytest.raises(ValueError, match=r"head_splits=2 with block_q=64, block_kv=128, head dim 64: expected a dQ "
-                                         r"staging tile of block_kv rows \(it has 64;.*hint: block_q == block_kv"):
-        flash_backward_mgpu(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.1, causal=False,
-                            block_kv=128, head_splits=2, interpret=interpret_params())
+                            interpret=interpret_params(), **kw)
 
 
 @pytest.mark.parametrize("kw", [
