@@ -362,11 +362,12 @@ LOWERING_CASES = [
 
 
 @pytest.mark.parametrize("kw", LOWERING_CASES)
-@pytest.mark.parametrize("d", [64, 128])
+# the three dQ paths: each warpgroup its own (64), rows split (64 with 128-row blocks), columns split (128)
+@pytest.mark.parametrize("d, block_q", [(64, 64), (64, 128), (128, 64)], ids=["d64", "d64-dq-rows", "d128"])
 @pytest.mark.parametrize("lengths", [(256, 384), (97, 130)], ids=["whole-tiles", "edge-tiles"])
-def test_lowers_for_hopper(kw, d, lengths):
+def test_lowers_for_hopper(kw, d, block_q, lengths):
     """Every feature lowers to one Mosaic GPU kernel on the GPU path (layouts, masks, tanh, the ragged
-    last program, both dQ paths), which the interpreter never exercises; lowering needs no GPU."""
+    last program, every dQ path), which the interpreter never exercises; lowering needs no GPU."""
     l, s = lengths
     q = jax.ShapeDtypeStruct((1, l, 4, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16)
@@ -374,7 +375,7 @@ def test_lowers_for_hopper(kw, d, lengths):
     acc = jax.ShapeDtypeStruct(q.shape, jnp.float32)
 
     def backward(q, k, v, do, lse, delta, acc):
-        return flash_backward_mgpu(q, k, v, do, lse, delta, acc, scale=0.1, **kw)
+        return flash_backward_mgpu(q, k, v, do, lse, delta, acc, scale=0.1, block_q=block_q, **kw)
     text = jax.jit(backward).trace(q, k, k, q, rows, rows, acc).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
 
