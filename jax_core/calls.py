@@ -13,6 +13,8 @@ randomness from it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -186,6 +188,7 @@ HOPPER_TILES = dict(
 HOPPER_BACKWARD_MIN_PROGRAMS = {64: 2048, 128: 4 * 132}
 
 
+@functools.lru_cache(maxsize=1024)  # asked per backward call (torch launch): once per signature
 def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: int, head_dim: int) -> int:
     """`head_splits` of the Hopper backward for `keys` padded keys: the smallest divisor of the GQA group
     whose grid (batch x KV heads x splits x key blocks) has at least HOPPER_BACKWARD_MIN_PROGRAMS
@@ -198,6 +201,7 @@ def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: in
     return group
 
 
+@functools.lru_cache(maxsize=1024)  # asked per call (torch launch): once per signature
 def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool) -> tuple[int, int]:
     """(L, S) rounded up to whole tiles of the Hopper forward (`backward` False) or backward kernel at
     `head_dim`, with the tuned tiles: the lengths the caller pads to."""
