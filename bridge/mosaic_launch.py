@@ -52,7 +52,7 @@ def mosaic_reasons(device: torch.device) -> list[str]:
     if device.type != "cuda":
         return [f"Mosaic GPU kernels run on CUDA devices (device {device})"]
     reasons = []
-    capability = torch.cuda.get_device_capability(device)
+    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if tuple(capability) != MOSAIC_CAPABILITY:
         reasons.append(f"Mosaic GPU kernels are written for sm90 (Hopper); device {device} is sm"
                        f"{capability[0]}{capability[1]}")
@@ -62,6 +62,11 @@ def mosaic_reasons(device: torch.device) -> list[str]:
     if error:
         reasons.append(f"JAX's Mosaic GPU torch launch entry points cannot be imported ({error})")
     return reasons
+
+
+@functools.lru_cache(maxsize=None)  # asked on every launch decision; a device's capability is fixed
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 class _Compiled:
@@ -110,7 +115,9 @@ class _Compiled:
         args = self.prepare_args(*tensors, device=device)
         outs = self.prepare_outputs(*args, device=device)
         buffers = (ctypes.c_void_p * (len(args) + len(outs)))(*[t.data_ptr() for t in (*args, *outs)])
-        self._launch(torch.cuda.current_stream(device)._as_parameter_, buffers)
+        # The raw handle of torch's current stream: what `torch.cuda.current_stream(device)` wraps, without
+        # building a Stream object on every launch.
+        self._launch(ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(device.index)), buffers)
         results = self.get_outputs(*outs)
         return results[0] if self.single else tuple(results)
 

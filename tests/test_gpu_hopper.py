@@ -313,17 +313,22 @@ def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dty
         assert_dtype_rule(name, got.double(), ref, theirs.double(), floor=floor * max(1.0, ref.abs().max().item()))
 
 
+@pytest.mark.parametrize("by", ["triton", "torch"])
 @pytest.mark.parametrize("layout", ["BHLD", "BLHD", "strided-dout"])
-def test_delta_is_the_rowsum_of_dout_times_out(layout):
-    """The backward's delta (`_delta`, the Triton delta kernel: under TRITON_INTERPRET=1 on the CPU)
-    against a float64 rowsum, for the memory layouts the drop-in hands it."""
+def test_backward_operands_against_float64(layout, by, monkeypatch):
+    """The backward's row operands (`backward_operands`: the Triton pass, under TRITON_INTERPRET=1 on the
+    CPU, or the torch ops that stand in without Triton) against float64: delta = rowsum(dO * O), the LSE
+    in log2 units with +inf for rows that saw no key, 0 and +inf on the padded rows, and the dQ
+    accumulator zeroed, for the memory layouts the drop-in hands it. Buffers start as NaN."""
     from jaxattn.bridge.triton_launch import can_launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not can_launch(torch.device(device)):
+    if by == "triton" and not can_launch(torch.device(device)):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    if by == "torch":
+        monkeypatch.setattr(hopper_flash, "hopper_backward_operands_kernel", None)
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-    b, h, l, d = 2, 3, 97, 80
+    b, h, l, d, rows = 2, 3, 97, 80, 128
     out, dout = (torch.randn(b, l, h, d, generator=gen).to(device, torch.bfloat16) for _ in range(2))
     if layout == "BHLD":
         out, dout = (x.transpose(1, 2).contiguous() for x in (out, dout))
@@ -331,7 +336,21 @@ def test_delta_is_the_rowsum_of_dout_times_out(layout):
         out, dout = (x.transpose(1, 2) for x in (out, dout))
     if layout == "strided-dout":
         dout = torch.randn(b, h, l, 2 * d, generator=gen).to(device, torch.bfloat16)[..., ::2]
-    want = (out.double() * dout.double()).sum(-1)
-    got = hopper_flash._delta(out, dout)
-    assert got.dtype == torch.float32 and got.shape == (b, h, l)
-    assert (got.double() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+    # The forward's LSE is a view of its padded rows; two rows saw no key.
+    lse = (torch.randn(b, h, 2 * rows, generator=gen) * 3).to(device)[..., :l]
+    lse[0, 1, 5] = lse[1, 2, 96] = -math.inf
+    folded = layout == "BHLD"
+    accum_shape = (b * h, rows, 1, d) if folded else (b, rows, h, d)
+    delta, lse_log2 = (torch.full((b, h, rows), math.nan, device=device) for _ in range(2))
+    accum = torch.full(accum_shape, math.nan, device=device)
+    hopper_flash.backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
+
+    want_delta = (out.double() * dout.double()).sum(-1)
+    assert (delta[..., :l].double() - want_delta).abs().max().item() < 1e-4 * max(1.0, want_delta.abs().max().item())
+    assert torch.equal(delta[..., l:], torch.zeros_like(delta[..., l:]))
+    want_lse = torch.where(lse.isneginf(), math.inf, lse.double() / math.log(2))
+    assert torch.equal(lse_log2[..., :l].isinf(), want_lse.isinf()) and (lse_log2[..., :l] > 0)[want_lse.isinf()].all()
+    finite = ~want_lse.isinf()
+    assert (lse_log2[..., :l].double() - want_lse)[finite].abs().max().item() < 1e-5 * want_lse[finite].abs().max()
+    assert (lse_log2[..., l:] == math.inf).all()
+    assert torch.equal(accum, torch.zeros_like(accum))

@@ -39,9 +39,9 @@ from ..jax_core.kernels import flash_plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
 
 try:
-    from ..jax_core.kernels.flash_entries_triton import delta_entry_static
-except ImportError:  # no triton: delta by torch ops
-    delta_entry_static = None
+    from ..jax_core.kernels.hopper_bwd_operands_triton import hopper_backward_operands_kernel
+except ImportError:  # no triton: the backward's row operands by torch ops
+    hopper_backward_operands_kernel = None
 
 #: Shortest query and key lengths (the smaller of L and S) at which the Hopper kernels run, forward
 #: only and with gradients. `benchmarks/hopper_torch_gpu.py` on an H100 (BENCHMARKS.md "Hopper
@@ -174,16 +174,10 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     l, s = q.shape[2], k.shape[2]
     rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=True)
     (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
-    delta = _delta(out, dout)
-    # The LSE in log2 units, +inf for a row that saw no key (-inf), whose probabilities are then
-    # exp2(s - inf) = 0: two elementwise ops (a backward's small launches add up over a model's layers).
-    lse_log2 = torch.mul(lse, _LOG2E).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
-    if rows != l:  # padded query rows: LSE +inf (probabilities 0) and delta 0, so they add nothing to dK, dV
-        delta, lse_log2 = (torch.nn.functional.pad(x, (0, rows - l), value=fill)
-                           for x, fill in ((delta, 0.0), (lse_log2, math.inf)))
     batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
-    delta, lse_log2 = (x.reshape(batch, heads, rows) for x in (delta, lse_log2))
-    accum = torch.zeros(kq.shape, dtype=torch.float32, device=q.device)
+    lse_log2, delta = torch.empty((2, batch, heads, rows), dtype=torch.float32, device=q.device).unbind(0)
+    accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)
+    backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], keys, q.shape[-1])
     dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, head_splits=splits, **_static(cfg, s))
     if splits > 1:  # the splits' float32 partial sums
@@ -191,27 +185,46 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     return _torch_view(dq.to(q.dtype), q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
 
 
-def _delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """rowsum(dO * O) (B, Hq, L) float32, by the Triton flash backward's delta kernel: one pass over
-    both, any strides (float32 copies of both and their product cost about 5% of a long backward)."""
-    if delta_entry_static is None:
-        return (out.float() * dout.float()).sum(-1)
-    o, do = Operand.of(out.shape, out.stride()), Operand.of(dout.shape, dout.stride())
-    key = (o, do.strides, out.dtype, dout.dtype, out.device)
-    launch = _DELTA_LAUNCHES.get(key)
+def backward_operands(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                      lse_log2: torch.Tensor, accum: torch.Tensor, folded: bool) -> None:
+    """Writes the Hopper backward's row operands and zeroes its dQ accumulator, in one Triton launch
+    (`hopper_bwd_operands_triton`; torch ops where Triton is missing).
+
+    Args:
+        out, dout: (B, Hq, L, D) forward output and its gradient, any strides.
+        lse: (B, Hq, L) float32 natural-log LSE of the forward (-inf: the row saw no key).
+        delta, lse_log2: (batch, heads, rows) float32 contiguous, written: rowsum(dO * O) and the LSE in
+            log2 units (+inf for -inf); rows L.. (the kernels' padding) get 0 and +inf.
+        accum: the float32 dQ accumulator in the kernels' query layout, zeroed: (B*Hq, rows, 1, D)
+            when `folded`, else (B, rows, Hq, D).
+    """
+    b, hq, l, _ = out.shape
+    rows = delta.shape[-1]
+    st = accum.stride()
+    accum_strides = (hq * st[0], st[0], st[1]) if folded else (st[0], st[2], st[1])
+    if hopper_backward_operands_kernel is None:
+        delta3, lse3 = delta.view(b, hq, rows), lse_log2.view(b, hq, rows)
+        delta3[..., :l] = (out.float() * dout.float()).sum(-1)
+        delta3[..., l:] = 0.0
+        lse3[..., :l] = torch.where(lse == -math.inf, math.inf, lse * _LOG2E)
+        lse3[..., l:] = math.inf
+        accum.zero_()
+        return
+    key = (out.shape, out.stride(), dout.stride(), lse.stride(), accum_strides, rows, out.dtype, dout.dtype,
+           out.device)
+    launch = _OPERAND_LAUNCHES.get(key)
     if launch is None:
-        planned = flash_plan.delta_launch(o, do.strides)
-        launch = KernelLaunch(delta_entry_static, planned.grid, planned.num_warps, planned.num_stages,
-                              ("Out", "dOut", "Delta"), planned.args)
-        if len(_DELTA_LAUNCHES) >= 256:  # one per training shape: a program cycling through more gains nothing
-            _DELTA_LAUNCHES.clear()
-        _DELTA_LAUNCHES[key] = launch
-    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)
-    launch(out, dout, delta)
-    return delta
+        planned = flash_plan.hopper_backward_operands_launch(
+            Operand.of(out.shape, out.stride()), tuple(dout.stride()), tuple(lse.stride()), accum_strides, rows)
+        launch = KernelLaunch(hopper_backward_operands_kernel, planned.grid, planned.num_warps, planned.num_stages,
+                              ("Out", "dOut", "Lse", "Delta", "LseLog2", "dQAccum"), planned.args)
+        if len(_OPERAND_LAUNCHES) >= 256:  # one per training shape: a program cycling through more gains nothing
+            _OPERAND_LAUNCHES.clear()
+        _OPERAND_LAUNCHES[key] = launch
+    launch(out, dout, lse, delta, lse_log2, accum)
 
 
-_DELTA_LAUNCHES: dict = {}
+_OPERAND_LAUNCHES: dict = {}
 
 
 class _HopperFunction(torch.autograd.Function):

@@ -314,3 +314,16 @@ def delta_launch(out: Operand, do_strides: tuple[int, ...]) -> Launch:
                 **_named(("sdob", "sdoh", "sdom", "sdod"), do_strides),
                 Hq=hq, L=l, Dv=dv, BLOCK_M=DELTA_BLOCK_M, BLOCK_DV=head_block(dv))
     return Launch((_cdiv(l, DELTA_BLOCK_M), b * hq), 4, 1, args)
+
+
+def hopper_backward_operands_launch(out: Operand, do_strides: tuple[int, ...], lse_strides: tuple[int, int, int],
+                                    accum_strides: tuple[int, int, int], rows: int) -> Launch:
+    """The launch of `hopper_bwd_operands_triton` over Out (B, Hq, L, D) for the Hopper backward's `rows`
+    padded query rows: Delta and LseLog2 (B * Hq, rows) float32 contiguous; `lse_strides` of the
+    (B, Hq, L) LSE and `accum_strides` of the float32 dQ accumulator, both in (B, Hq, row) order."""
+    b, hq, l, d = out.dims
+    args = dict(**_named(("sob", "soh", "som", "sod"), out.strides),
+                **_named(("sdob", "sdoh", "sdom", "sdod"), do_strides),
+                **_named(("slb", "slh", "slm"), lse_strides), **_named(("sab", "sah", "sam"), accum_strides),
+                Hq=hq, L=l, ROWS=rows, D=d, BLOCK_M=DELTA_BLOCK_M, BLOCK_D=head_block(d))
+    return Launch((_cdiv(rows, DELTA_BLOCK_M), b * hq), 4, 1, args)
