@@ -354,3 +354,29 @@ def test_backward_operands_against_float64(layout, by, monkeypatch):
     assert (lse_log2[..., :l].double() - want_lse)[finite].abs().max().item() < 1e-5 * want_lse[finite].abs().max()
     assert (lse_log2[..., l:] == math.inf).all()
     assert torch.equal(accum, torch.zeros_like(accum))
+
+
+@pytest.mark.parametrize("by", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_results_against_float64(dtype, by, monkeypatch):
+    """The split backward's results (`backward_results`: one Triton pass, or torch ops without Triton):
+    dq cast from its float32 accumulator, dk and dv the sums of their float32 partials over the splits,
+    each within one rounding of the float64 sum, in shapes that end inside a block."""
+    from jaxattn.bridge.triton_launch import can_launch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if by == "triton" and not can_launch(torch.device(device)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    if by == "torch":
+        monkeypatch.setattr(hopper_flash, "hopper_backward_results_kernel", None)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    splits, b, rows, keys, hq, hk, d = 3, 2, 97, 75, 6, 2, 80
+    dq = torch.randn(b, rows, hq, d, generator=gen).to(device)
+    dk_parts, dv_parts = (torch.randn(splits, b, keys, hk, d, generator=gen).to(device) for _ in range(2))
+    got = hopper_flash.backward_results(dq, dk_parts, dv_parts, dtype)
+    wants = (dq.double(), dk_parts.double().sum(0), dv_parts.double().sum(0))
+    eps = torch.finfo(dtype).eps
+    for name, g, want in zip(("dq", "dk", "dv"), got, wants):
+        assert g.dtype == dtype and g.shape == want.shape and g.is_contiguous(), (name, g.dtype, g.shape)
+        assert ((g.double() - want).abs() <= eps * want.abs() + 1e-6).all(), name
+    assert len({g.untyped_storage().data_ptr() for g in got}) == 3  # no shared storage

@@ -39,9 +39,10 @@ from ..jax_core.kernels import flash_plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
 
 try:
-    from ..jax_core.kernels.hopper_bwd_operands_triton import hopper_backward_operands_kernel
-except ImportError:  # no triton: the backward's row operands by torch ops
-    hopper_backward_operands_kernel = None
+    from ..jax_core.kernels.hopper_bwd_passes_triton import (hopper_backward_operands_kernel,
+                                                             hopper_backward_results_kernel)
+except ImportError:  # no triton: the passes around the backward by torch ops
+    hopper_backward_operands_kernel = hopper_backward_results_kernel = None
 
 #: Shortest query and key lengths (the smaller of L and S) at which the Hopper kernels run, forward
 #: only and with gradients. `benchmarks/hopper_torch_gpu.py` on an H100 (BENCHMARKS.md "Hopper
@@ -180,15 +181,17 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], keys, q.shape[-1])
     dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, head_splits=splits, **_static(cfg, s))
-    if splits > 1:  # the splits' float32 partial sums
-        dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
-    return _torch_view(dq.to(q.dtype), q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
+    if splits > 1:  # dK, dV as the splits' float32 partial sums
+        dq, dk, dv = backward_results(dq, dk, dv, q.dtype)
+    else:
+        dq = dq.to(q.dtype)
+    return _torch_view(dq, q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
 
 
 def backward_operands(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
                       lse_log2: torch.Tensor, accum: torch.Tensor, folded: bool) -> None:
     """Writes the Hopper backward's row operands and zeroes its dQ accumulator, in one Triton launch
-    (`hopper_bwd_operands_triton`; torch ops where Triton is missing).
+    (`hopper_bwd_passes_triton`; torch ops where Triton is missing).
 
     Args:
         out, dout: (B, Hq, L, D) forward output and its gradient, any strides.
@@ -225,6 +228,33 @@ def backward_operands(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
 
 
 _OPERAND_LAUNCHES: dict = {}
+
+
+def backward_results(dq: torch.Tensor, dk_parts: torch.Tensor, dv_parts: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in `dtype` from the split backward's float32 results, in one Triton launch
+    (`hopper_bwd_passes_triton`; torch ops where Triton is missing): dq (batch, rows, heads, D) cast,
+    dk and dv (splits, batch, keys, heads, D) partial sums summed over the splits."""
+    if hopper_backward_results_kernel is None:
+        return dq.to(dtype), dk_parts.sum(0).to(dtype), dv_parts.sum(0).to(dtype)
+    splits, nkv = dk_parts.shape[0], dk_parts[0].numel()
+    key = (dq.numel(), nkv, splits, dtype, dq.device)
+    launch = _RESULT_LAUNCHES.get(key)
+    if launch is None:
+        planned = flash_plan.hopper_backward_results_launch(dq.numel(), nkv, splits)
+        launch = KernelLaunch(hopper_backward_results_kernel, planned.grid, planned.num_warps, planned.num_stages,
+                              ("dQAccum", "dQ", "dKParts", "dK", "dVParts", "dV"), planned.args)
+        if len(_RESULT_LAUNCHES) >= 256:
+            _RESULT_LAUNCHES.clear()
+        _RESULT_LAUNCHES[key] = launch
+    # Three allocations, not views of one: the gradients must not share a storage.
+    dq16 = torch.empty(dq.shape, dtype=dtype, device=dq.device)
+    dk, dv = (torch.empty(dk_parts.shape[1:], dtype=dtype, device=dq.device) for _ in range(2))
+    launch(dq, dq16, dk_parts, dk, dv_parts, dv)
+    return dq16, dk, dv
+
+
+_RESULT_LAUNCHES: dict = {}
 
 
 class _HopperFunction(torch.autograd.Function):

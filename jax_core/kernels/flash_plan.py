@@ -318,12 +318,24 @@ def delta_launch(out: Operand, do_strides: tuple[int, ...]) -> Launch:
 
 def hopper_backward_operands_launch(out: Operand, do_strides: tuple[int, ...], lse_strides: tuple[int, int, int],
                                     accum_strides: tuple[int, int, int], rows: int) -> Launch:
-    """The launch of `hopper_bwd_operands_triton` over Out (B, Hq, L, D) for the Hopper backward's `rows`
-    padded query rows: Delta and LseLog2 (B * Hq, rows) float32 contiguous; `lse_strides` of the
-    (B, Hq, L) LSE and `accum_strides` of the float32 dQ accumulator, both in (B, Hq, row) order."""
+    """The launch of `hopper_bwd_passes_triton`'s operands pass over Out (B, Hq, L, D) for the Hopper
+    backward's `rows` padded query rows: Delta and LseLog2 (B * Hq, rows) float32 contiguous;
+    `lse_strides` of the (B, Hq, L) LSE and `accum_strides` of the float32 dQ accumulator, both in
+    (B, Hq, row) order."""
     b, hq, l, d = out.dims
     args = dict(**_named(("sob", "soh", "som", "sod"), out.strides),
                 **_named(("sdob", "sdoh", "sdom", "sdod"), do_strides),
                 **_named(("slb", "slh", "slm"), lse_strides), **_named(("sab", "sah", "sam"), accum_strides),
                 Hq=hq, L=l, ROWS=rows, D=d, BLOCK_M=DELTA_BLOCK_M, BLOCK_D=head_block(d))
     return Launch((_cdiv(rows, DELTA_BLOCK_M), b * hq), 4, 1, args)
+
+
+#: Elements per program of the Hopper backward's results pass.
+RESULTS_BLOCK = 1024
+
+
+def hopper_backward_results_launch(nq: int, nkv: int, splits: int) -> Launch:
+    """The launch of `hopper_bwd_passes_triton`'s results pass: dQ of `nq` elements cast, dK and dV of
+    `nkv` elements each summed over `splits` float32 partials."""
+    grid = _cdiv(nq, RESULTS_BLOCK) + 2 * _cdiv(nkv, RESULTS_BLOCK)
+    return Launch((grid,), 4, 1, dict(NQ=nq, NKV=nkv, SPLITS=splits, BLOCK=RESULTS_BLOCK))
