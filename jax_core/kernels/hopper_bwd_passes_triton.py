@@ -13,7 +13,7 @@ Imports only `triton`.
 import triton
 import triton.language as tl
 
-_LOG2E: tl.constexpr = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
