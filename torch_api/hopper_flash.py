@@ -49,7 +49,9 @@ except ImportError:  # no triton: the passes around the backward by torch ops
 #: kernels"), bf16 causal, head dim 128, Hopper against Triton through the drop-in: forward 537 vs
 #: 682 us at (4, 16, 4096), 421 vs 366 us at (8, 16, 2048); forward + backward 1253 vs 1416 us at
 #: (2, 16, 4096), 1267 vs 820 us at (4, 16, 2048), where the Hopper path's host time (about 1.3 ms
-#: per forward + backward against the Triton path's 0.5 ms) exceeds the kernels' time.
+#: per forward + backward against the Triton path's 0.5 ms) exceeds the kernels' time. With the
+#: backward's steps in two Triton passes (H200, BENCHMARKS.md "The backward's steps in two passes"):
+#: 1033 vs 825 us at (4, 16, 2048), still host-bound, so the threshold stays.
 HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
