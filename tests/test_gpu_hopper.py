@@ -313,6 +313,19 @@ def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dty
         assert_dtype_rule(name, got.double(), ref, theirs.double(), floor=floor * max(1.0, ref.abs().max().item()))
 
 
+def _pass_device(by: str, kernel: str, monkeypatch) -> str:
+    """The device a test of one of the backward's passes runs on; `by` "torch" takes the pass's kernel
+    away (the torch ops that stand in without Triton)."""
+    from jaxattn.bridge.triton_launch import can_launch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if by == "triton" and not can_launch(torch.device(device)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    if by == "torch":
+        monkeypatch.setattr(hopper_flash, kernel, None)
+    return device
+
+
 @pytest.mark.parametrize("by", ["triton", "torch"])
 @pytest.mark.parametrize("layout", ["BHLD", "BLHD", "strided-dout"])
 def test_backward_operands_against_float64(layout, by, monkeypatch):
@@ -320,13 +333,7 @@ def test_backward_operands_against_float64(layout, by, monkeypatch):
     CPU, or the torch ops that stand in without Triton) against float64: delta = rowsum(dO * O), the LSE
     in log2 units with +inf for rows that saw no key, 0 and +inf on the padded rows, and the dQ
     accumulator zeroed, for the memory layouts the drop-in hands it. Buffers start as NaN."""
-    from jaxattn.bridge.triton_launch import can_launch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if by == "triton" and not can_launch(torch.device(device)):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    if by == "torch":
-        monkeypatch.setattr(hopper_flash, "hopper_backward_operands_kernel", None)
+    device = _pass_device(by, "hopper_backward_operands_kernel", monkeypatch)
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     b, h, l, d, rows = 2, 3, 97, 80, 128
     out, dout = (torch.randn(b, l, h, d, generator=gen).to(device, torch.bfloat16) for _ in range(2))
@@ -362,13 +369,7 @@ def test_backward_results_against_float64(dtype, by, monkeypatch):
     """The split backward's results (`backward_results`: one Triton pass, or torch ops without Triton):
     dq cast from its float32 accumulator, dk and dv the sums of their float32 partials over the splits,
     each within one rounding of the float64 sum, in shapes that end inside a block."""
-    from jaxattn.bridge.triton_launch import can_launch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if by == "triton" and not can_launch(torch.device(device)):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    if by == "torch":
-        monkeypatch.setattr(hopper_flash, "hopper_backward_results_kernel", None)
+    device = _pass_device(by, "hopper_backward_results_kernel", monkeypatch)
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     splits, b, rows, keys, hq, hk, d = 3, 2, 97, 75, 6, 2, 80
     dq = torch.randn(b, rows, hq, d, generator=gen).to(device)

@@ -249,17 +249,21 @@ def flash_bwd_preprocess_kernel(
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    ok = (offs_m[:, None] < L) & (offs_dv[None, :] < Dv)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
-                + offs_dv[None, :] * stride_od, mask=ok, other=0.0)
-    do = tl.load(dOut + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_dv[None, :] * stride_dod, mask=ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    delta = row_delta(Out, dOut, (pid_bh // Hq).to(tl.int64), (pid_bh % Hq).to(tl.int64), offs_m,
+                      tl.arange(0, BLOCK_DV), L, Dv, stride_ob, stride_oh, stride_om, stride_od,
+                      stride_dob, stride_doh, stride_dom, stride_dod)
     tl.store(Delta + pid_bh.to(tl.int64) * L + offs_m, delta, mask=offs_m < L)
+
+
+@triton.jit
+def row_delta(Out, dOut, b, h, offs_m, offs_d, L, Dv, sob, soh, som, sod, sdob, sdoh, sdom, sdod):
+    """rowsum(dOut * Out) in fp32 for rows `offs_m` of (batch b, head h), 0 on rows L and after; strides
+    in (B, H, L, Dv) order; `offs_d` covers Dv."""
+    ok = (offs_m[:, None] < L) & (offs_d[None, :] < Dv)
+    o = tl.load(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=ok, other=0.0)
+    do = tl.load(dOut + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=ok, other=0.0)
+    return tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
 
 
 @triton.jit

@@ -13,6 +13,8 @@ Imports only `triton`.
 import triton
 import triton.language as tl
 
+from .flash_bwd_triton import row_delta
+
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -39,13 +41,9 @@ def hopper_backward_operands_kernel(
     h = (pid_bh % Hq).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
-    real = rows < L
     in_tile = rows < ROWS
-    ok = real[:, None] & (cols[None, :] < D)
-    o = tl.load(Out + b * sob + h * soh + rows[:, None] * som + cols[None, :] * sod, mask=ok, other=0.0)
-    do = tl.load(dOut + b * sdob + h * sdoh + rows[:, None] * sdom + cols[None, :] * sdod, mask=ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    lse = tl.load(Lse + b * slb + h * slh + rows * slm, mask=real, other=float("-inf"))
+    delta = row_delta(Out, dOut, b, h, rows, cols, L, D, sob, soh, som, sod, sdob, sdoh, sdom, sdod)
+    lse = tl.load(Lse + b * slb + h * slh + rows * slm, mask=rows < L, other=float("-inf"))
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     at = pid_bh.to(tl.int64) * ROWS + rows
     tl.store(Delta + at, delta, mask=in_tile)
