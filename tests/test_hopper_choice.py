@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention  # noqa: E402
+from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention, sdpa_launcher  # noqa: E402
 from jaxattn.torch_api import launch as launch_module  # noqa: E402
 from jaxattn.torch_api.launch import describe, native_decision  # noqa: E402
 
@@ -114,3 +114,111 @@ def test_the_hopper_backward_splits_short_gqa_grids(b, hq, hk, keys, d, want):
     group, blocks = hq // hk, keys // 128
     assert group % got == 0
     assert b * hk * got * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS[d] or got == group
+
+
+def _spy_hopper_kernels(monkeypatch) -> list:
+    """Which Hopper kernels run (their names, in order), each still launching."""
+    ran = []
+    for name in ("_FORWARD", "_BACKWARD"):
+        real = getattr(hopper_flash, name)
+        monkeypatch.setattr(hopper_flash, name,
+                            lambda *a, _real=real, _name=name, **static: ran.append(_name) or _real(*a, **static))
+    return ran
+
+
+@pytest.fixture
+def interpreted_hopper(monkeypatch):
+    """The Hopper kernels interpreted on the CPU, Mosaic GPU said to run, and lengths from 64 taking them."""
+    pytest.importorskip("jax")
+    from mosaic_gpu_mode import MODE
+    if MODE != "interpret":
+        pytest.skip("runs the kernels in Mosaic GPU's interpret mode (a CPU backend)")
+    from jaxattn.bridge.triton_launch import can_launch
+    if not can_launch(torch.device("cpu")):
+        pytest.skip("the native launcher runs on the CPU under TRITON_INTERPRET=1")
+    from hopper_interpreted import use_interpreted_kernels
+    use_interpreted_kernels(monkeypatch)
+    monkeypatch.setattr(hopper_flash, "mosaic_reasons", lambda device: [])
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 64)
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 64)
+    return _spy_hopper_kernels(monkeypatch)
+
+
+def test_flash_attention_runs_the_hopper_kernels(interpreted_hopper):
+    """`flash_attention` with a window and a soft cap, GQA and lengths that are not whole tiles, on the
+    native launcher: both Hopper kernels run, and out, dq, dk, dv meet the float64 oracle (2x rule)."""
+    from attention_reference import assert_dtype_rule, reference, reference_grads
+
+    from jaxattn.torch_api import flash_attention
+
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    b, hq, hk, l, s, d, dtype = 1, 4, 2, 130, 200, 128, torch.float16
+    q, do = (torch.randn(b, hq, l, d, generator=gen, dtype=torch.float64).to(dtype).double() for _ in range(2))
+    k, v = (torch.randn(b, hk, s, d, generator=gen, dtype=torch.float64).to(dtype).double() for _ in range(2))
+    kw = dict(causal=True, window=(40, 0), softcap=5.0, scale=0.8 / d ** 0.5)
+    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    with sdpa_launcher("native"):
+        out = flash_attention(*leaves, causal_alignment="bottom_right", **kw)
+    grads = torch.autograd.grad((out * do.to(dtype)).sum(), leaves)
+    assert interpreted_hopper == ["_FORWARD", "_BACKWARD"], interpreted_hopper
+
+    rkw = dict(kw, alignment="bottom_right")
+    want, _, (dq, dk, dv, _, _) = reference_grads(q, k, v, do, **rkw)
+    low_leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    low, _ = reference(*low_leaves, dtype=dtype, **rkw)
+    low_grads = torch.autograd.grad((low * do.to(dtype)).sum(), low_leaves)
+    for name, got, ref, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, dq, dk, dv), (low, *low_grads)):
+        assert_dtype_rule(name, got.double(), ref, theirs.double(), floor=4e-3 * max(1.0, ref.abs().max().item()))
+
+
+@pytest.mark.parametrize("extra", [dict(return_lse=True), dict(sinks="sinks")])
+def test_flash_attention_keeps_the_triton_kernels_for_what_the_hopper_path_lacks(interpreted_hopper, extra):
+    """A returned (differentiable) LSE or sinks: the Triton kernels run the call."""
+    from jaxattn.torch_api import flash_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 128, 128, generator=gen, dtype=torch.float16) for _ in range(3))
+    if "sinks" in extra:
+        extra = dict(sinks=torch.randn(2, generator=gen))
+    with sdpa_launcher("native"):
+        flash_attention(q, k, v, causal=True, **extra)
+    assert interpreted_hopper == []
+
+
+def test_flash_attention_tells_the_decision_whether_the_call_needs_gradients(monkeypatch):
+    """As the drop-in does: automatic launch at long lengths chooses by it (`native_decision`)."""
+    from jaxattn.torch_api import flash_attention
+
+    seen = []
+    real = launch_module.use_native
+
+    def spy(inputs, device, choice, launcher, *, grad=None):
+        seen.append(grad)
+        return real(inputs, device, choice, launcher, grad=grad)
+
+    monkeypatch.setattr(launch_module, "use_native", spy)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 37, 8, generator=gen) for _ in range(3))
+    flash_attention(q, k, v, causal=True)
+    flash_attention(q, k, v.requires_grad_(True), causal=True)
+    with torch.no_grad():
+        flash_attention(q, k, v, causal=True)
+    assert seen == [False, True, False]
+
+
+def test_the_transformers_plugin_runs_soft_capped_layers_on_the_hopper_kernels(interpreted_hopper):
+    """The plug-in's feature path (a soft cap, as Gemma 2's layers pass it) drops the LSE, so the Hopper
+    kernels take its calls, forward and backward; the output matches the float64 oracle."""
+    from attention_reference import reference
+
+    from jaxattn.torch_api import transformers_plugin
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=gen, dtype=torch.float16).requires_grad_(True) for _ in range(3))
+    with sdpa_launcher("native"):
+        out = transformers_plugin._with_features(q, k, v, None, None, causal=True, scale=0.125, softcap=5.0,
+                                                 dropout_p=0.0, implementation=None)
+    out.sum().backward()
+    assert interpreted_hopper == ["_FORWARD", "_BACKWARD"], interpreted_hopper
+    want, _ = reference(*(x.detach().double() for x in (q, k, v)), causal=True, softcap=5.0, scale=0.125)
+    assert (out.double() - want).abs().max().item() < 1e-2

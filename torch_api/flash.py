@@ -46,7 +46,7 @@ from ..bridge.functorch import is_batched
 from ..jax_core import calls
 from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
-from .native_flash import flash_forward
+from .native_flash import flash_forward, reverse_grad
 from .selection import normalize_choice
 from .seqused import check_seqused, hide_unused_queries, used_packing, used_rows, zero_unused
 from .validation import AttentionInputError, check_alibi, check_finite, check_qkv, describe, finite_check_reads
@@ -361,7 +361,7 @@ def flash_attention(
                            sinks=sinks is not None, dropout_p=dropout_p, lse=return_lse, scale=scale,
                            segments=q_ids is not None,
                            varlen=(max_seqlen or (q.shape[0], k.shape[0])) if varlen else None,
-                           alibi=alibi_slopes is not None)
+                           alibi=alibi_slopes is not None, grad=reverse_grad(q, k, v, sinks))
     if seqused_k is not None and (native is None or finite_check_reads(k)):
         used_k = used_rows(given_cu_k, seqused_k, k.shape[0])
         zeroed_k, zeroed_v = zero_unused(k, used_k), zero_unused(v, used_k)
@@ -379,7 +379,7 @@ def flash_attention(
         out, lse = flash_forward(nq, nk, nv, native, sinks=sinks, seed=seed,
                                  segment_ids=None if q_ids is None else (q_ids, q_ids if kv_ids is None else kv_ids),
                                  cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else None,
-                                 alibi_slopes=alibi_slopes)
+                                 alibi_slopes=alibi_slopes, need_lse=return_lse)
         if varlen:  # (1, Hq, total_q, Ev) view of (1, total_q, Hq, Ev) memory -> (total_q, Hq, Ev)
             out, lse = out.transpose(1, 2)[0], lse[0]
         result = (out, lse) if return_lse else out

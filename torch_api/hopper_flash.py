@@ -8,9 +8,12 @@ capture (a first launch loads its module), and query and key lengths of at least
 BENCHMARKS.md "Hopper kernels"). Eager calls launch directly; under torch.compile a call is the
 custom op `jaxattn::hopper_flash` (with its backward op, `bridge.mosaic_op`), which Inductor keeps
 opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
-Automatic launch (`launch.native_decision`) sends a prepared call that `hopper_launch_reasons` accepts
-(with or without gradients, as the call needs) to the native launcher, and so to these kernels,
-instead of JAX's cuDNN; a call whose need of gradients is unknown keeps JAX's cuDNN.
+Automatic launch (`launch.native_decision`) sends a call that `hopper_launch_reasons` accepts (with or
+without gradients, as the call needs: the drop-in's prepared calls, `flash_attention` and the
+transformers plug-in tell it) to the native launcher, and so to these kernels, instead of JAX's cuDNN;
+a call whose need of gradients is unknown keeps JAX's cuDNN. `flash_attention` and the plug-in reach
+them through `native_flash.flash_forward` when they want no LSE back (these kernels' LSE is not
+differentiable).
 
 Any lengths: the kernels move whole tiles (128 query rows and 128 keys serve both; 256 keys in the
 head-dim-64 forward), so a tensor whose length is not a whole number of tiles is copied once into a

@@ -366,13 +366,39 @@ def narrow(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(t.shape, t.stride()))]
 
 
+def _plain_launch() -> bool:
+    """Whether a call may take the direct launches (the Hopper kernels, a signature's prepared Triton
+    launches): no forward-mode AD or functorch transform, and, in eager, not inside a Triton op's
+    traced body or a program's recording."""
+    if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+        return False
+    return torch.compiler.is_compiling() or not (traced() or recorded())
+
+
+def reverse_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether reverse-mode autograd will want gradients of a call on `tensors` (None: absent)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def takes_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> bool:
+    """Whether the Hopper kernels run this call without bias, mask, sinks or packing (`hopper_reasons`).
+    The cheap tests first: most calls (decoding, short prefills) stop at the lengths. Symbolic sizes
+    (torch.compile with dynamic shapes) keep the Triton kernels: a Mosaic kernel is compiled per
+    shape, and testing the lengths would guard the graph on them (one graph per length instead of
+    one for all)."""
+    shortest = min(HOPPER_MIN_LENGTH.values())
+    return (q.shape[-1] in HOPPER_HEAD_DIMS["forward"] and not _symbolic(q, k)
+            and q.shape[2] >= shortest and k.shape[2] >= shortest
+            and not hopper_reasons(q, k, v, cfg, grad))
+
+
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, *,
                   bias: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
                   sinks: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
                   segment_ids: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                   cu_seqlens: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                  alibi_slopes: Optional[torch.Tensor] = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  alibi_slopes: Optional[torch.Tensor] = None, need_lse: bool = True,
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Flash attention by the native launcher; differentiable in q, k, v, bias and sinks.
 
     Args:
@@ -391,10 +417,19 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
         alibi_slopes: None or float (Hq,) or (B, Hq) ALiBi slopes (B: the sequences with
             `cu_seqlens`): -slope * |i + S - L - j| joins each logit after scale, soft cap and bias,
             with positions and lengths of the sequence. No gradient.
+        need_lse: False when the caller drops the LSE: a call without bias, mask, sinks, dropout,
+            segments, packing or ALiBi that the Hopper kernels take (`takes_hopper`) then runs them
+            (their LSE is not differentiable), and the LSE returned is None.
 
     Returns:
-        out (B, Hq, L, Dv) of q's dtype (a view of (B, L, Hq, Dv) memory), lse (B, Hq, L) float32.
+        out (B, Hq, L, Dv) of q's dtype (a view of (B, L, Hq, Dv) memory, or of (B, Hq, L, Dv) memory
+        from the Hopper kernels on contiguous (B, H, T, D) inputs), lse (B, Hq, L) float32 or None.
     """
+    if (not need_lse and bias is None and mask is None and sinks is None and seed is None and segment_ids is None
+            and cu_seqlens is None and alibi_slopes is None and _plain_launch()):
+        grad = reverse_grad(q, k, v)
+        if takes_hopper(q, k, v, cfg, grad):
+            return hopper_flash(q, k, v, cfg, grad), None
     if sinks is not None:  # several sink logits per head join the denominator as their log-sum-exp
         sinks = (sinks if sinks.dim() == 1 else torch.logsumexp(sinks.float(), -1)).float()
     if mask is not None and mask.dtype == torch.bool:
@@ -443,45 +478,34 @@ class NativeFlash(PreparedTritonCall):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                  mask: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, Dv) of this signature -> out (B, Hq, L, Dv)."""
-        plain = (bias is None and mask is None and seed is None and forward_ad._current_level < 0
-                 and not torch._C._are_functorch_transforms_active())
-        if plain and torch.compiler.is_compiling():
-            # The Hopper kernels as one custom op node, by the same rules; else FLASH_OP (below).
-            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            if self._takes_hopper(q, k, v, grad):
+        if bias is None and mask is None and seed is None and _plain_launch():
+            grad = reverse_grad(q, k, v)
+            if takes_hopper(q, k, v, self.cfg, grad):  # under torch.compile: one custom op node
                 return hopper_flash(q, k, v, self.cfg, grad)
-        elif plain and not traced() and not recorded():
-            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            if self._takes_hopper(q, k, v, grad):
-                return hopper_flash(q, k, v, self.cfg, grad)
-            kernel = _entries(q, k)["fwd"]
-            if self._kernel is not kernel:
-                self._launches = _launches(self.spec, q, k, v, None, None, None, None)
-                self._kernel = kernel
-                self._backward_launches = {}
-                self._programs = {}
-            program = self._programs.get("train" if grad else "forward")
-            if program is not None and program >= 0 and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-                if grad:
-                    return triton_program.apply(program, [q, k, v])[0]
-                return triton_program.forward_only(program, [q, k, v])[0]
-            if grad:
-                return self.apply(q, k, v)[0]
-            out, lse = _forward(self.spec, q, k, v, None, None, None, None, launches=self._launches)
-            if "forward" not in self._programs:
-                self._record_program("forward", q, lambda: self._program(q, k, v, out, lse, None))
-            return out
+            if not torch.compiler.is_compiling():
+                return self._eager(q, k, v, grad)
         return flash_forward(q, k, v, self.cfg, bias=bias, mask=mask, seed=seed)[0]
 
-    def _takes_hopper(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool) -> bool:
-        """Whether the Hopper kernels run this call (`hopper_reasons`). The cheap tests first: most
-        calls (decoding, short prefills) stop at the lengths. Symbolic sizes (torch.compile with
-        dynamic shapes) keep the Triton kernels: a Mosaic kernel is compiled per shape, and testing
-        the lengths would guard the graph on them (one graph per length instead of one for all)."""
-        shortest = min(HOPPER_MIN_LENGTH.values())
-        return (q.shape[-1] in HOPPER_HEAD_DIMS["forward"] and not _symbolic(q, k)
-                and q.shape[2] >= shortest and k.shape[2] >= shortest
-                and not hopper_reasons(q, k, v, self.cfg, grad))
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool) -> torch.Tensor:
+        """An eager call without bias, mask or dropout on the Triton kernels, by this signature's launches
+        (or its compiled program, once registered)."""
+        kernel = _entries(q, k)["fwd"]
+        if self._kernel is not kernel:
+            self._launches = _launches(self.spec, q, k, v, None, None, None, None)
+            self._kernel = kernel
+            self._backward_launches = {}
+            self._programs = {}
+        program = self._programs.get("train" if grad else "forward")
+        if program is not None and program >= 0 and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            if grad:
+                return triton_program.apply(program, [q, k, v])[0]
+            return triton_program.forward_only(program, [q, k, v])[0]
+        if grad:
+            return self.apply(q, k, v)[0]
+        out, lse = _forward(self.spec, q, k, v, None, None, None, None, launches=self._launches)
+        if "forward" not in self._programs:
+            self._record_program("forward", q, lambda: self._program(q, k, v, out, lse, None))
+        return out
 
     def forward(self, q, k, v):
         out, lse = _forward(self.spec, q, k, v, None, None, None, None, launches=self._launches)

@@ -49,7 +49,7 @@ from ..bridge import jax_op
 from ..jax_core import calls
 from .autocast import autocast_dtype, autocast_off, cast
 from .launch import native_config
-from .native_flash import flash_forward
+from .native_flash import flash_forward, reverse_grad
 from .sdpa import scaled_dot_product_attention
 from .selection import current_implementation, normalize_choice
 from .transformers_kwargs import check_extra_kwargs, deterministic_choice, fold_into_mask, short as _short
@@ -173,11 +173,12 @@ def _with_features(query, key, value, mask, sinks, *, causal, scale, softcap, dr
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=query.device)
     native = native_config(tuple(query.shape), tuple(key.shape), value.shape[3], query.dtype, query.device,
                            implementation, causal=causal, softcap=softcap, sinks=sinks is not None,
-                           mask=None if mask is None else mask.dtype, dropout_p=dropout_p, scale=scale)
+                           mask=None if mask is None else mask.dtype, dropout_p=dropout_p, scale=scale,
+                           grad=reverse_grad(query, key, value, sinks))
     if native is not None:
         is_bool = mask is not None and mask.dtype == torch.bool
         out, _ = flash_forward(query, key, value, native, bias=None if is_bool else mask, mask=mask if is_bool else None,
-                               sinks=sinks, seed=seed)
+                               sinks=sinks, seed=seed, need_lse=False)
         return out
     return _features_jax(
         query, key, value, mask, sinks, seed, causal=causal, scale=None if scale is None else float(scale),
