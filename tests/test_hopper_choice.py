@@ -76,7 +76,14 @@ def test_deterministic_mode_keeps_jax_cudnn(cuda_launcher):
         torch.use_deterministic_algorithms(False)
 
 
-def test_the_drop_in_tells_the_decision_whether_the_call_needs_gradients(monkeypatch):
+@pytest.mark.parametrize("entry", ["drop-in", "flash_attention"])
+def test_calls_tell_the_decision_whether_they_need_gradients(monkeypatch, entry):
+    """Automatic launch at long lengths chooses by it (`native_decision`): the drop-in's prepared calls
+    and `flash_attention` say whether autograd wants gradients."""
+    from jaxattn.torch_api import flash_attention
+
+    call = {"drop-in": lambda q, k, v, causal: scaled_dot_product_attention(q, k, v, is_causal=causal),
+            "flash_attention": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)}[entry]
     seen = []
     real = launch_module.use_native
 
@@ -87,11 +94,10 @@ def test_the_drop_in_tells_the_decision_whether_the_call_needs_gradients(monkeyp
     monkeypatch.setattr(launch_module, "use_native", spy)
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 37, 8, generator=gen) for _ in range(3))
-    scaled_dot_product_attention(q, k, v, is_causal=True)
-    q.requires_grad_(True)
-    scaled_dot_product_attention(q, k, v, is_causal=True)
+    call(q, k, v, True)
+    call(q, k, v.requires_grad_(True), True)
     with torch.no_grad():
-        scaled_dot_product_attention(q, k, v, is_causal=False)
+        call(q, k, v, False)
     assert seen == [False, True, False]
 
 
@@ -183,27 +189,6 @@ def test_flash_attention_keeps_the_triton_kernels_for_what_the_hopper_path_lacks
     with sdpa_launcher("native"):
         flash_attention(q, k, v, causal=True, **extra)
     assert interpreted_hopper == []
-
-
-def test_flash_attention_tells_the_decision_whether_the_call_needs_gradients(monkeypatch):
-    """As the drop-in does: automatic launch at long lengths chooses by it (`native_decision`)."""
-    from jaxattn.torch_api import flash_attention
-
-    seen = []
-    real = launch_module.use_native
-
-    def spy(inputs, device, choice, launcher, *, grad=None):
-        seen.append(grad)
-        return real(inputs, device, choice, launcher, grad=grad)
-
-    monkeypatch.setattr(launch_module, "use_native", spy)
-    gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, 2, 37, 8, generator=gen) for _ in range(3))
-    flash_attention(q, k, v, causal=True)
-    flash_attention(q, k, v.requires_grad_(True), causal=True)
-    with torch.no_grad():
-        flash_attention(q, k, v, causal=True)
-    assert seen == [False, True, False]
 
 
 def test_the_transformers_plugin_runs_soft_capped_layers_on_the_hopper_kernels(interpreted_hopper):
