@@ -4,6 +4,7 @@ the kernels in the CPU suite, reads any global. This checks every kernel module 
 compiler would refuse, so the rule is kept where no GPU runs the compiler."""
 
 import builtins
+import dis
 import importlib
 import pkgutil
 import types
@@ -31,9 +32,10 @@ def _refused_globals(module) -> list[str]:
     for name, fn in vars(module).items():
         if not isinstance(fn, _JITTED) or fn.fn.__module__ != module.__name__:
             continue
-        for used in fn.fn.__code__.co_names:
+        # Global loads only (co_names holds attribute names too: `k.T`, `tl.load`).
+        for used in {i.argval for i in dis.get_instructions(fn.fn) if i.opname == "LOAD_GLOBAL"}:
             if used not in vars(module):
-                continue  # an attribute name (tl.load), or a builtin
+                continue  # a builtin
             value = vars(module)[used]
             if isinstance(value, (types.ModuleType, tl.constexpr, *_JITTED)):
                 continue
