@@ -53,14 +53,16 @@ def flops(b, h, l, d, causal):
 def drop_in(hopper: bool):
     def run(q, k, v, causal):
         gqa = q.shape[1] != k.shape[1]
-        saved = dict(hopper_flash.HOPPER_MIN_LENGTH)
+        saved = dict(hopper_flash.HOPPER_MIN_LENGTH), hopper_flash.HOPPER_MIN_LENGTH_PROGRAM
         # "hopper": every eligible shape (no length threshold); "triton": none.
         hopper_flash.HOPPER_MIN_LENGTH.update(forward=0 if hopper else math.inf, train=0 if hopper else math.inf)
+        hopper_flash.HOPPER_MIN_LENGTH_PROGRAM = {kind: {} for kind in saved[1]}  # the lengths above decide
         try:
             with sdpa_launcher("native"):
                 return scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         finally:
-            hopper_flash.HOPPER_MIN_LENGTH.update(saved)
+            hopper_flash.HOPPER_MIN_LENGTH.update(saved[0])
+            hopper_flash.HOPPER_MIN_LENGTH_PROGRAM = saved[1]
     return run
 
 

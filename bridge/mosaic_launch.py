@@ -15,6 +15,9 @@ Inside `shapes_only()` (the fake implementation of a `mosaic_op.MosaicOp`: fake 
 a call launches nothing and returns empty contiguous outputs of the shapes and dtypes `jax.eval_shape`
 gives, as the launch allocates them.
 
+`MosaicKernel.host_launch` describes a compiled kernel's launch for `triton_program`, whose C++
+programs then call its compiled host program themselves (no Python on the call's path).
+
 The launch goes through entry points of JAX's Mosaic GPU torch interop that are not public API
 (`_find_mgpu_call_in_module`, `_compile_as_torch_gpu_kernel`); `mosaic_reasons` reports a JAX
 without them, and the caller then runs other kernels.
@@ -23,11 +26,14 @@ without them, and the caller then runs other kernels.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+
+from .triton_program import HostProgramLaunch
 
 #: Compute capability the Mosaic GPU kernels are written for (wgmma, TMA, setmaxnreg: Hopper).
 MOSAIC_CAPABILITY = (9, 0)
@@ -95,9 +101,11 @@ class _Compiled:
         # as program(function, stream, buffers); jax 0.10 with MLIR's packed C convention.
         cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__)))
         program = cells["launch_c"]
+        self.host_program: Optional[HostProgramLaunch] = None
         if "function" in cells:
             function = cells["function"]
             self._launch = lambda stream, buffers: program(function, stream, buffers)
+            self.host_program = HostProgramLaunch(ctypes.cast(program, ctypes.c_void_p).value, int(function))
         else:
             context = cells["ctx_ptr_ptr"]
 
@@ -120,6 +128,38 @@ class _Compiled:
         self._launch(ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(device.index)), buffers)
         results = self.get_outputs(*outs)
         return results[0] if self.single else tuple(results)
+
+
+    def host_launch(self, tensors: tuple[torch.Tensor, ...]) -> Optional["HostLaunch"]:
+        """How `triton_program` launches this kernel (see `HostLaunch`), or None where the kernel's
+        buffers are not the function's own arguments and results (scratch buffers, constants)."""
+        if self.host_program is None:
+            return None
+        device = tensors[0].device
+        args = self.prepare_args(*tensors, device=device)
+        if len(args) != len(tensors) or any(a is not t for a, t in zip(args, tensors)):
+            return None
+        outs = self.prepare_outputs(*args, device=device)
+        results = self.get_outputs(*outs)
+        returned = [next((i for i, o in enumerate(outs) if o is r), None) for r in results]
+        if None in returned:
+            return None
+        aliases = [next((i for i, t in enumerate(tensors) if o is t), None) for o in outs]
+        return HostLaunch(self.host_program, tuple((alias, tuple(o.shape), o.dtype) for alias, o in zip(aliases, outs)),
+                          tuple(returned))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLaunch:
+    """A compiled Mosaic GPU kernel as `triton_program` launches it: `program` takes the pointers of
+    the function's arguments, then one per kernel output; `outputs` are those outputs, each
+    (index of the argument it updates in place, or None where it is a new buffer; shape; dtype), and
+    `returned[i]` is the output the function returns i-th. A new buffer is any memory of its shape's
+    size (contiguous order: the kernel reads it by pointer)."""
+
+    program: HostProgramLaunch
+    outputs: tuple
+    returned: tuple
 
 
 class _ShapesState(threading.local):
@@ -177,6 +217,15 @@ class MosaicKernel:
 
     def launch(self, tensors: tuple[torch.Tensor, ...], static: dict) -> Any:
         """Runs the kernel on contiguous CUDA tensors (compiling it for new shapes or settings)."""
+        return self._compiled_for(tensors, static)(tensors)
+
+    def host_launch(self, tensors: tuple[torch.Tensor, ...], static: dict) -> Optional[HostLaunch]:
+        """The launch of the kernel compiled for these tensors' shapes and `static` settings (compiling
+        it if needed) as `triton_program` runs it, or None where it cannot (see `HostLaunch`; the
+        packed calling convention of JAX before 0.11). The tensors are only looked at."""
+        return self._compiled_for(tensors, static).host_launch(tensors)
+
+    def _compiled_for(self, tensors: tuple[torch.Tensor, ...], static: dict) -> _Compiled:
         key = (tuple(static.items()), tuple((t.shape, t.dtype) for t in tensors))
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -184,4 +233,4 @@ class MosaicKernel:
                 compiled = self._compiled.get(key)
                 if compiled is None:
                     compiled = self._compiled[key] = _Compiled(functools.partial(self.fn, **static), tensors)
-        return compiled(tensors)
+        return compiled

@@ -1,12 +1,14 @@
-// A fixed program of compiled Triton kernel launches as a differentiable torch op, with its
-// autograd node in C++ (see triton_program.py). Knows nothing about what the kernels compute.
+// A fixed program of compiled kernel launches as a differentiable torch op, with its autograd node
+// in C++ (see triton_program.py). Knows nothing about what the kernels compute.
 //
 // Buffers of one run are numbered: forward: the inputs, then the forward's allocations; backward:
 // the saved buffers, then the gradients of the outputs, then the backward's allocations. A launch
 // passes buffers' data pointers (argument >= 0) or constants (argument -1 - k: constants[k], the
-// pointer of a tensor the caller keeps alive or the value of a runtime integer) to the kernel,
-// followed by the two scratch pointers Triton's kernels take (null: programs are built only for
-// kernels that need no scratch memory).
+// pointer of a tensor the caller keeps alive or the value of a runtime integer). Two kinds of launch:
+// a Triton kernel through cuLaunchKernel, its arguments followed by the two scratch pointers Triton's
+// kernels take (null: programs are built only for kernels that need no scratch memory); and a kernel
+// whose compiled host program launches it (JAX's Mosaic GPU kernels compiled for torch), called as
+// entry(function, stream, pointers of its arguments).
 
 #include <torch/extension.h>
 #include <torch/csrc/Dtype.h>
@@ -26,6 +28,7 @@ using torch::autograd::variable_list;
 typedef int (*LaunchKernelFn)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                               void**, void**);
 typedef int (*ErrorStringFn)(int, const char**);
+typedef void (*HostProgramFn)(void*, void*, void**);
 
 struct Driver {
   LaunchKernelFn launch = nullptr;
@@ -46,7 +49,8 @@ const Driver& driver() {
 }
 
 struct Launch {
-  uint64_t function;
+  uint64_t entry = 0;  // a host program's entry point; 0: a Triton kernel launched here
+  uint64_t function;   // the CUfunction, or the host program's compiled-module handle
   unsigned grid[3];
   unsigned block;
   unsigned shared;
@@ -86,10 +90,20 @@ void* current_stream(const c10::Device& device) {
 void run(const Program& p, const std::vector<Launch>& launches, const std::vector<at::Tensor>& buffers,
          const c10::Device& device) {
   if (launches.empty()) return;
-  void* stream = current_stream(device);
+  // Off CUDA only host programs run (tests pass host functions on CPU tensors): no stream.
+  void* stream = device.is_cuda() ? current_stream(device) : nullptr;
   std::vector<uint64_t> values;
   std::vector<void*> params;
   for (const Launch& l : launches) {
+    if (l.entry != 0) {
+      params.resize(l.args.size());
+      for (size_t i = 0; i < l.args.size(); ++i) {
+        int64_t a = l.args[i];
+        params[i] = a >= 0 ? buffers[a].data_ptr() : reinterpret_cast<void*>(p.constants[-1 - a]);
+      }
+      reinterpret_cast<HostProgramFn>(l.entry)(reinterpret_cast<void*>(l.function), stream, params.data());
+      continue;
+    }
     values.resize(l.args.size() + 2);
     params.resize(l.args.size() + 2);
     for (size_t i = 0; i < l.args.size(); ++i) {
@@ -208,6 +222,18 @@ Launch make_launch(uint64_t function, std::vector<int64_t> grid, int64_t block, 
   return l;
 }
 
+Launch make_host_launch(uint64_t entry, uint64_t function, std::vector<int64_t> args) {
+  TORCH_CHECK(entry != 0, "triton_program: a host program needs its entry point");
+  Launch l;
+  l.entry = entry;
+  l.function = function;
+  for (int i = 0; i < 3; ++i) l.grid[i] = 1;
+  l.block = 0;
+  l.shared = 0;
+  l.args = std::move(args);
+  return l;
+}
+
 Alloc make_alloc(std::vector<int64_t> sizes, std::vector<int64_t> strides, py::object dtype) {
   TORCH_CHECK(THPDtype_Check(dtype.ptr()), "triton_program: expected a torch.dtype");
   return Alloc{std::move(sizes), std::move(strides), reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type};
@@ -217,6 +243,7 @@ Alloc make_alloc(std::vector<int64_t> sizes, std::vector<int64_t> strides, py::o
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Launch>(m, "Launch").def(py::init(&make_launch));
+  m.def("host_launch", &make_host_launch);
   py::class_<Alloc>(m, "Alloc").def(py::init(&make_alloc));
   m.def("register", [](int64_t num_inputs, std::vector<Alloc> forward_allocs, std::vector<Launch> forward_launches,
                        std::vector<int64_t> outputs, std::vector<int64_t> saved, std::vector<Alloc> grad_layouts,

@@ -1,4 +1,4 @@
-"""Compiled Triton kernels run as a differentiable torch op whose autograd node is C++.
+"""Compiled kernels run as a differentiable torch op whose autograd node is C++.
 
 A `KernelLaunch` costs a few microseconds of Python per launch, and an `autograd.Function` adds
 Python to every forward and backward. A model step that is bound by host time pays that per layer.
@@ -7,7 +7,9 @@ and kernel handles no longer change, only the tensors' pointers. A *program* rec
 buffers a forward allocates, its launches, what it returns and saves; the same for the backward),
 and a small C++ extension (`triton_program.cpp`) replays it: the forward, the autograd node and
 the backward run without Python, on torch's current stream, through the CUDA driver's
-`cuLaunchKernel`, with torch's caching allocator.
+`cuLaunchKernel`, with torch's caching allocator. A program may also hold kernels launched by their
+own compiled host program (`HostProgramLaunch`: JAX's Mosaic GPU kernels compiled for torch, see
+`mosaic_launch`), called with torch's current stream and the buffers' pointers.
 
     >>> pid = register(num_inputs=3, forward_allocs=[...], forward_launches=[(launch, {"X": 0, ...})],
     ...                outputs=[3], saved=[0, 1, 2, 4], grad_layouts=[...], backward_allocs=[...],
@@ -31,6 +33,7 @@ back as values and are raised here (`_result`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
@@ -152,6 +155,17 @@ def _launch(ext, launch: KernelLaunch, buffers: Mapping[str, int], constants: li
     return ext.Launch(int(k.function), list(launch.grid), 32 * int(meta.num_warps), int(meta.shared), args)
 
 
+@dataclasses.dataclass(frozen=True)
+class HostProgramLaunch:
+    """A kernel launched by its compiled host program: `entry(function, stream, pointers)`, with
+    `entry` and `function` addresses (the calling convention of JAX's Mosaic GPU kernels compiled
+    for torch, `mosaic_launch.MosaicKernel.host_launch`). A program passes it its buffers' pointers
+    in the order the launch lists them."""
+
+    entry: int
+    function: int
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -162,15 +176,18 @@ def register(*, num_inputs: int, forward_allocs: Sequence[tuple], forward_launch
              second_order_error: str) -> Optional[int]:
     """Registers a program; its id, or None where it cannot run compiled (not built yet, a launch
     the C++ side does not take). Allocations and gradient layouts are (sizes, strides, dtype);
-    launches are (KernelLaunch, {kernel tensor argument: buffer index}) with compiled kernels; see
-    `triton_program.cpp` for how buffers are numbered."""
+    launches are (KernelLaunch, {kernel tensor argument: buffer index}) with compiled kernels, or
+    (HostProgramLaunch, [buffer index per pointer it takes]); see `triton_program.cpp` for how
+    buffers are numbered."""
     ext = module()
     if ext is None or len(_inputs) >= MAX_PROGRAMS:
         return None
     constants: list = []
     built = []
     for group in (forward_launches, backward_launches):
-        launches = [_launch(ext, launch, buffers, constants) for launch, buffers in group]
+        launches = [ext.host_launch(launch.entry, launch.function, [int(i) for i in buffers])
+                    if isinstance(launch, HostProgramLaunch) else _launch(ext, launch, buffers, constants)
+                    for launch, buffers in group]
         if any(l is None for l in launches):
             return None
         built.append(launches)

@@ -70,6 +70,8 @@ def test_windows_soft_caps_and_any_lengths_take_the_hopper_kernels():
     pytest.param(1, 4, 2, 200, 97, dict(window=(10, 20), bottom_right=True), "BHLD", id="edge-gqa-window-empty-rows"),
     # whole tiles in (B, L, H, D) memory: passed as is
     pytest.param(1, 2, 2, 128, 256, dict(causal=True), "BLHD", id="whole-tiles-transposed"),
+    # whole tiles folded, dO in (B, L, H, D) memory: copied into out's layout, q, k, v stay in place
+    pytest.param(2, 2, 2, 128, 128, dict(causal=True, dout="BLHD"), "BHLD", id="whole-tiles-folded-dout-transposed"),
     # head dim 64: the forward's 256-key tiles (S=300 pads to 512 there, to 384 in the backward)
     pytest.param(1, 4, 2, 130, 300, dict(causal=True, d=64), "BHLD", id="d64-edge-gqa"),
 ])
@@ -86,10 +88,10 @@ def test_torch_launch_against_float64_oracle_interpreted(monkeypatch, b, hq, hk,
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     d, dtype = kw.get("d", 128), torch.float16
 
-    def tensor(h, t):
+    def tensor(h, t, memory=memory):
         x = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)
         return x if memory == "BHLD" else x.transpose(1, 2).contiguous().transpose(1, 2)
-    q, k, v, do = tensor(hq, l), tensor(hk, s), tensor(hk, s), tensor(hq, l)
+    q, k, v, do = tensor(hq, l), tensor(hk, s), tensor(hk, s), tensor(hq, l, kw.get("dout", memory))
     scale = 0.8 / d ** 0.5
     window, softcap = kw.get("window"), kw.get("softcap")
     offset = s - l if kw.get("bottom_right") else 0
@@ -255,6 +257,86 @@ def test_drop_in_runs_the_hopper_forward_at_head_dim_64(monkeypatch, dtype, b, h
 
 
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+@pytest.mark.parametrize("hq, hk, d, memory", [
+    (16, 16, 128, "BHLD"),  # folded (B*H, L, 1, D) views
+    (16, 4, 128, "BLHD"),   # GQA in (B, L, H, D) memory: head splits, dK and dV summed by the results pass
+    (16, 16, 64, "BLHD"),
+    (32, 8, 64, "BLHD"),
+])
+def test_compiled_programs_run_the_hopper_kernels(monkeypatch, hq, hk, d, memory):
+    """From a signature's second call on, the drop-in runs its compiled program (`hopper_program`):
+    the same kernels with the same arguments as the Python path, so out, dK and dV equal the first
+    call's bit for bit (dQ's float32 adds vary in order) and all are within the 2x rule of torch's
+    float32 math, with the gradient of out in another layout (copied into out's) and without
+    gradients (the forward-only program)."""
+    from jaxattn.bridge import triton_program
+    from jaxattn.torch_api import hopper_program
+
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    assert triton_program.wait(600), triton_program.build_error()
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 2048)  # shorter shapes, the same kernels
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 2048)
+    monkeypatch.setattr(hopper_program, "_PROGRAMS", {})
+    programs_run = []
+    monkeypatch.setattr(triton_program, "apply", lambda *a, real=triton_program.apply: programs_run.append(1) or real(*a))
+    python_path = []
+    for kernel in (hopper_flash._FORWARD, hopper_flash._BACKWARD):
+        monkeypatch.setattr(kernel, "launch", lambda t, s, real=kernel.launch: python_path.append(1) or real(t, s))
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+    b, l, dtype = 2, 2048, torch.bfloat16
+    q, k, v = (_cuda_tensor(gen, b, h, l, d, memory) for h in (hq, hk, hk))
+    cot = torch.randn(b, hq, l, d, generator=gen, device="cuda")
+    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+
+    def step(cot16):
+        with sdpa_launcher("native"):
+            out = scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=hq != hk)
+        return out, torch.autograd.grad((out * cot16).sum(), leaves)
+
+    first = step(cot.to(dtype))
+    assert len(python_path) == 2 and len(hopper_program._PROGRAMS) == 1
+    assert all(found >= 0 for found in hopper_program._PROGRAMS.values()), "no program was registered"
+    other_layout = cot.to(dtype).transpose(0, 2).contiguous().transpose(0, 2)  # strides unlike out's
+    second = step(other_layout)
+    assert len(python_path) == 2 and programs_run == [1], "the second call did not run the program"
+    for name, a, b_ in zip(("out", "dk", "dv"), (first[0], *first[1][1:]), (second[0], *second[1][1:])):
+        assert torch.equal(a, b_), name
+    _assert_against_math(second[0], second[1], q, k, v, cot, True, dtype, hq != hk)
+    with torch.no_grad(), sdpa_launcher("native"):
+        plain = scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=hq != hk)
+        assert len(python_path) == 3 and len(hopper_program._PROGRAMS) == 2
+        again = scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=hq != hk)
+    assert len(python_path) == 3, "the forward-only program did not run"
+    assert torch.equal(plain, first[0]) and torch.equal(again, first[0])
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+def test_calls_a_program_runs_take_the_hopper_kernels_from_shorter_lengths(monkeypatch):
+    """Below `HOPPER_MIN_LENGTH` the kernels run where a compiled program would (whole tiles, inputs read
+    in place, programs on, enough work): 1024 tokens with gradients; a partial tile, (B, H, T, D) memory
+    with GQA (copied), programs off or a small call keep the Triton kernels."""
+    from jaxattn.bridge import triton_program
+
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    cfg = FlashConfig(scale=0.1, causal=True)
+
+    def reasons(b, hq, hk, l, d, memory="BHLD", grad=True):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (_cuda_tensor(gen, b, h, l, d, memory).to(torch.bfloat16) for h in (hq, hk, hk))
+        return hopper_flash.hopper_reasons(q, k, v, cfg, grad)
+
+    assert reasons(8, 16, 16, 1024, 128) == [] and reasons(16, 16, 16, 1024, 64) == []
+    assert reasons(8, 16, 4, 1024, 128, "BLHD") == [] and reasons(8, 16, 16, 1024, 128, grad=False) == []
+    short = "below 4096"
+    assert any(short in r for r in reasons(8, 16, 16, 1000, 128))  # a partial tile: padded copies
+    assert any(short in r for r in reasons(8, 16, 4, 1024, 128))  # GQA in (B, H, T, D) memory: copied
+    assert any(short in r for r in reasons(2, 16, 16, 1024, 128))  # host-bound either way
+    assert any(short in r for r in reasons(16, 16, 16, 1024, 64, grad=False))  # head dim 64 forward: 4096
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "0")
+    assert any(short in r for r in reasons(8, 16, 16, 1024, 128))
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
 def test_kernels_run_on_the_current_stream():
     """Inputs made on a side stream and used at once: a launch on another stream would race them."""
     cfg = FlashConfig(scale=128 ** -0.5, causal=True)
@@ -376,6 +458,8 @@ def test_backward_results_against_float64(dtype, by, monkeypatch):
     dk_parts, dv_parts = (torch.randn(splits, b, keys, hk, d, generator=gen).to(device) for _ in range(2))
     got = hopper_flash.backward_results(dq, dk_parts, dv_parts, dtype)
     wants = (dq.double(), dk_parts.double().sum(0), dv_parts.double().sum(0))
+    alone = hopper_flash.backward_results(dq, None, None, dtype)  # no head splits: dQ's cast only
+    assert alone[1:] == (None, None) and torch.equal(alone[0], got[0])
     eps = torch.finfo(dtype).eps
     for name, g, want in zip(("dq", "dk", "dv"), got, wants):
         assert g.dtype == dtype and g.shape == want.shape and g.is_contiguous(), (name, g.dtype, g.shape)

@@ -3,6 +3,7 @@ test_gpu_native.py). A program without launches that returns its input and takes
 the input's gradient is the identity: its output and gradients must be exactly torch's identity's,
 and a second-order backward must raise."""
 
+import ctypes
 import shutil
 
 import pytest
@@ -116,3 +117,53 @@ def test_registration_stops_at_the_cap(identity, monkeypatch):
     monkeypatch.setattr(triton_program, "MAX_PROGRAMS", len(triton_program._inputs) + 1)
     assert triton_program.register(**args) is not None
     assert triton_program.register(**args) is None  # a caller then keeps its Python launch path
+
+
+_HOST_PROGRAM = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+
+
+def _host_program(calls: list, body):
+    """A host program as the extension calls one: (function, stream, pointers); `body(pointers)` gets
+    float32 views of 15 elements at each pointer."""
+
+    def entry(function, stream, pointers):
+        views = [torch.frombuffer((ctypes.c_float * 15).from_address(pointers[i]), dtype=torch.float32)
+                 for i in range(len(calls[0]))]
+        calls.append((function, stream))
+        body(views)
+
+    return _HOST_PROGRAM(entry)
+
+
+def test_host_program_launches_get_their_buffers_in_order(identity, monkeypatch):
+    """A program of host-program launches (the Mosaic GPU kernels' kind), on CPU tensors: the forward
+    computes out = 2 x + y into an allocation, the backward writes dx = 2 g and dy = g into two, each
+    host program gets its handle, no stream off CUDA, and the pointers of the buffers it lists."""
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    seen: list = [[0, 1, 2]]  # seen[0]: how many pointers the programs read (forward: x, y, out)
+
+    def forward(p):
+        p[2].copy_(2 * p[0] + p[1])
+
+    def backward(p):
+        p[1].copy_(2 * p[0])
+        p[2].copy_(p[0])
+
+    entries = [_host_program(seen, forward), _host_program(seen, backward)]
+    addresses = [ctypes.cast(e, ctypes.c_void_p).value for e in entries]
+    layout = ((3, 5), (5, 1), torch.float32)
+    pid = triton_program.register(
+        num_inputs=2, forward_allocs=[layout],
+        forward_launches=[(triton_program.HostProgramLaunch(addresses[0], 11), [0, 1, 2])], outputs=[2],
+        saved=[], grad_layouts=[layout], backward_allocs=[layout, layout],
+        backward_launches=[(triton_program.HostProgramLaunch(addresses[1], 22), [0, 1, 2])], grads=[1, 2],
+        second_order_error="-")
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x, y = (torch.randn(3, 5, generator=gen, requires_grad=True) for _ in range(2))
+    (out,) = triton_program.apply(pid, [x, y])
+    assert torch.equal(out, 2 * x.detach() + y.detach())
+    cot = torch.randn(3, 5, generator=gen)
+    out.backward(cot)
+    assert torch.equal(x.grad, 2 * cot) and torch.equal(y.grad, cot)
+    assert seen[1:] == [(11, None), (22, None)]
+    entries.clear()

@@ -4,7 +4,8 @@ The native launcher runs them in place of the Triton kernels for the calls `hopp
 sm90, bf16/fp16, head dim 64 or 128 (query and value), causal in either alignment or none, sliding
 windows, a logits soft cap, GQA, no bias, mask, dropout, sinks or packing, not inside CUDA graph
 capture (a first launch loads its module), and query and key lengths of at least `HOPPER_MIN_LENGTH`
-(forward only, or with gradients), below which the Triton kernels measured faster (H100,
+(forward only, or with gradients; `HOPPER_MIN_LENGTH_PROGRAM` for calls a compiled program runs),
+below which the Triton kernels measured faster (H100,
 BENCHMARKS.md "Hopper kernels"). Eager calls launch directly; under torch.compile a call is the
 custom op `jaxattn::hopper_flash` (with its backward op, `bridge.mosaic_op`), which Inductor keeps
 opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
@@ -30,9 +31,11 @@ Shape legend: B batch, Hq / Hk query / KV heads, L query length, S key length, D
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
+from ..bridge import triton_program
 from ..bridge.compile_hints import assume_constant_result
 from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
 from ..bridge.mosaic_op import MosaicOp
@@ -40,6 +43,8 @@ from ..bridge.triton_launch import KernelLaunch
 from ..jax_core import AttentionInputs, calls
 from ..jax_core.kernels import flash_plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
+
+from . import hopper_program
 
 try:
     from ..jax_core.kernels.hopper_bwd_passes_triton import (hopper_backward_operands_kernel,
@@ -56,6 +61,16 @@ except ImportError:  # no triton: the passes around the backward by torch ops
 #: backward's steps in two Triton passes (H200, BENCHMARKS.md "The backward's steps in two passes"):
 #: 1033 vs 825 us at (4, 16, 2048), still host-bound, so the threshold stays.
 HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
+#: The same for calls a compiled program runs (`hopper_program`: whole tiles, inputs read in place,
+#: programs on, eager), per head dim, given at least HOPPER_MIN_PAIRS_PROGRAM query-key pairs (B*Hq*L*S):
+#: their host time is about the Triton path's, so the kernels' GPU time decides. H200, drop-in
+#: forward + backward, Hopper / Triton / torch cuDNN, us (BENCHMARKS.md "Compiled programs for the
+#: Hopper path"): 546 / 576 / 503 at (16, 16, 1024, 64), 475 / 493 / 412 at (8, 16, 1024, 128), 674 /
+#: 785 / 632 at (4, 16, 2048, 128); forward alone 150 / 126 at (16, 16, 1024, 64) and 223 / 208 at
+#: (8, 16, 2048, 64) (Triton faster: head dim 64 keeps 4096), 103 / 125 at (8, 16, 1024, 128).
+HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 4096, 128: 1024}, train={64: 1024, 128: 1024})
+#: Smaller calls are host-bound on either path, and the Triton path's host time is the shorter.
+HOPPER_MIN_PAIRS_PROGRAM = 8 * 16 * 1024 * 1024
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
@@ -65,11 +80,31 @@ HOPPER_HEAD_DIMS = dict(forward=(64, 128), train=(64, 128))
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap"})
 
 
-def _reasons(dtype_name: str, d: int, dv: int, hq: int, hk: int, l: int, s: int, grad: bool) -> list[str]:
+def shortest_hopper_length() -> int:
+    """The shortest length at which any call may take the Hopper kernels (a cheap first test)."""
+    return min(*HOPPER_MIN_LENGTH.values(), *(n for by_dim in HOPPER_MIN_LENGTH_PROGRAM.values()
+                                              for n in by_dim.values()))
+
+
+def _min_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool) -> int:
+    """The length threshold of this call: the compiled programs' where one runs it, else the Python path's."""
+    kind = "train" if grad else "forward"
+    (b, hq, l, d), s = q.shape, k.shape[2]
+    shortest = HOPPER_MIN_LENGTH_PROGRAM[kind].get(d, HOPPER_MIN_LENGTH[kind])
+    if (shortest < HOPPER_MIN_LENGTH[kind] and min(l, s) >= shortest and b * hq * l * s >= HOPPER_MIN_PAIRS_PROGRAM
+            and q.is_cuda and not torch.compiler.is_compiling() and triton_program.enabled()
+            and hopper_program.in_place(q, k, v, backward=grad)):
+        return shortest
+    return HOPPER_MIN_LENGTH[kind]
+
+
+def _reasons(dtype_name: str, d: int, dv: int, hq: int, hk: int, l: int, s: int, grad: bool,
+             min_length: Optional[int] = None) -> list[str]:
     """What keeps a call of these sizes off the Hopper kernels, features aside (`hopper_reasons`,
-    `hopper_launch_reasons`)."""
+    `hopper_launch_reasons`); `min_length`: the call's length threshold (default: the Python path's)."""
     reasons = []
     kind = "train" if grad else "forward"
+    min_length = HOPPER_MIN_LENGTH[kind] if min_length is None else min_length
     if dtype_name not in ("bfloat16", "float16"):
         reasons.append(f"dtype {dtype_name}: the Hopper kernels take bfloat16 or float16")
     if d != dv or d not in HOPPER_HEAD_DIMS[kind]:
@@ -77,8 +112,8 @@ def _reasons(dtype_name: str, d: int, dv: int, hq: int, hk: int, l: int, s: int,
                        f"{' with gradients' if grad else ''}")
     if hq % hk:
         reasons.append(f"num_q_heads={hq} is not a multiple of num_kv_heads={hk}")
-    if min(l, s) < HOPPER_MIN_LENGTH[kind]:
-        reasons.append(f"lengths L={l}, S={s} below {HOPPER_MIN_LENGTH[kind]}{' with gradients' if grad else ''}: "
+    if min(l, s) < min_length:
+        reasons.append(f"lengths L={l}, S={s} below {min_length}{' with gradients' if grad else ''}: "
                        "the Triton kernels measured faster")
     if torch.are_deterministic_algorithms_enabled():
         reasons.append("deterministic algorithms are on, and the Hopper backward adds dQ in varying order")
@@ -93,7 +128,9 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     mask, sinks or packing: the caller checks those)."""
     (_, hq, l, d), (hk, s), dv = q.shape, k.shape[1:3], v.shape[-1]
     same = k.dtype == q.dtype and v.dtype == q.dtype
-    reasons = _reasons(str(q.dtype).removeprefix("torch.") if same else "mixed", d, dv, hq, hk, l, s, grad)
+    min_length = _min_length(q, k, v, grad) if min(l, s) < HOPPER_MIN_LENGTH["train" if grad else "forward"] else None
+    reasons = _reasons(str(q.dtype).removeprefix("torch.") if same else "mixed", d, dv, hq, hk, l, s, grad,
+                       min_length)
     if cfg.dropout_p or cfg.varlen is not None:
         reasons.append("dropout or varlen: the Hopper kernels have neither")
     if reasons:
@@ -176,9 +213,12 @@ def hopper_forward(q, k, v, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tenso
 
 def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in (B, H, T, D) shapes of the inputs' dtype, from the forward's out and lse."""
-    dout = dout.to(q.dtype)
     l, s = q.shape[2], k.shape[2]
     rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=True)
+    if rows == l and (dout.stride() != out.stride() or dout.dtype != q.dtype):
+        # The kernel reads dO in out's layout: one copy of dO (as torch's own flash backward takes)
+        # keeps q, k and v in place, where dO in another layout would send all four to copies.
+        dout = torch.empty_strided(out.shape, out.stride(), dtype=q.dtype, device=out.device).copy_(dout)
     (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
     batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
     lse_log2, delta = torch.empty((2, batch, heads, rows), dtype=torch.float32, device=q.device).unbind(0)
@@ -189,7 +229,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
     if splits > 1:  # dK, dV as the splits' float32 partial sums
         dq, dk, dv = backward_results(dq, dk, dv, q.dtype)
     else:
-        dq = dq.to(q.dtype)
+        dq = backward_results(dq, None, None, q.dtype)[0]
     return _torch_view(dq, q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
 
 
@@ -208,8 +248,6 @@ def backward_operands(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
     """
     b, hq, l, _ = out.shape
     rows = delta.shape[-1]
-    st = accum.stride()
-    accum_strides = (hq * st[0], st[0], st[1]) if folded else (st[0], st[2], st[1])
     if hopper_backward_operands_kernel is None:
         delta3, lse3 = delta.view(b, hq, rows), lse_log2.view(b, hq, rows)
         delta3[..., :l] = (out.float() * dout.float()).sum(-1)
@@ -218,6 +256,15 @@ def backward_operands(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
         lse3[..., l:] = math.inf
         accum.zero_()
         return
+    operands_launch(out, dout, lse, accum, rows, folded)(out, dout, lse, delta, lse_log2, accum)
+
+
+def operands_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, accum: torch.Tensor, rows: int,
+                    folded: bool) -> KernelLaunch:
+    """The operands pass's launch for these tensors' shapes and strides (`backward_operands`), kept
+    per signature."""
+    st = accum.stride()
+    accum_strides = (out.shape[1] * st[0], st[0], st[1]) if folded else (st[0], st[2], st[1])
     key = (out.shape, out.stride(), dout.stride(), lse.stride(), accum_strides, rows, out.dtype, dout.dtype,
            out.device)
     launch = _OPERAND_LAUNCHES.get(key)
@@ -229,34 +276,48 @@ def backward_operands(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
         if len(_OPERAND_LAUNCHES) >= 256:  # one per training shape: a program cycling through more gains nothing
             _OPERAND_LAUNCHES.clear()
         _OPERAND_LAUNCHES[key] = launch
-    launch(out, dout, lse, delta, lse_log2, accum)
+    return launch
 
 
 _OPERAND_LAUNCHES: dict = {}
 
 
-def backward_results(dq: torch.Tensor, dk_parts: torch.Tensor, dv_parts: torch.Tensor,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in `dtype` from the split backward's float32 results, in one Triton launch
+def backward_results(dq: torch.Tensor, dk_parts: Optional[torch.Tensor], dv_parts: Optional[torch.Tensor],
+                     dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(dq, dk, dv) in `dtype` from the backward's float32 results, in one Triton launch
     (`hopper_bwd_passes_triton`; torch ops where Triton is missing): dq (batch, rows, heads, D) cast,
-    dk and dv (splits, batch, keys, heads, D) partial sums summed over the splits."""
+    dk and dv (splits, batch, keys, heads, D) partial sums summed over the splits (None: the kernel
+    wrote dK and dV itself, and they come back None)."""
     if hopper_backward_results_kernel is None:
+        if dk_parts is None:
+            return dq.to(dtype), None, None
         return dq.to(dtype), dk_parts.sum(0).to(dtype), dv_parts.sum(0).to(dtype)
-    splits, nkv = dk_parts.shape[0], dk_parts[0].numel()
-    key = (dq.numel(), nkv, splits, dtype, dq.device)
+    # Three allocations, not views of one: the gradients must not share a storage.
+    dq16 = torch.empty(dq.shape, dtype=dtype, device=dq.device)
+    launch = results_launch(dq.numel(), None if dk_parts is None else dk_parts.shape, dtype, dq.device)
+    if dk_parts is None:  # dQ alone: the dK and dV arguments are not read
+        launch(dq, dq16, dq, dq16, dq, dq16)
+        return dq16, None, None
+    dk, dv = (torch.empty(dk_parts.shape[1:], dtype=dtype, device=dq.device) for _ in range(2))
+    launch(dq, dq16, dk_parts, dk, dv_parts, dv)
+    return dq16, dk, dv
+
+
+def results_launch(nq: int, parts_shape: Optional[torch.Size], dtype: torch.dtype,
+                   device: torch.device) -> KernelLaunch:
+    """The results pass's launch (`backward_results`) for dQ of `nq` elements and dK, dV partials of
+    `parts_shape` (None: none), kept per signature."""
+    splits, nkv = (1, 0) if parts_shape is None else (parts_shape[0], math.prod(parts_shape[1:]))
+    key = (nq, nkv, splits, dtype, device)
     launch = _RESULT_LAUNCHES.get(key)
     if launch is None:
-        planned = flash_plan.hopper_backward_results_launch(dq.numel(), nkv, splits)
+        planned = flash_plan.hopper_backward_results_launch(nq, nkv, splits)
         launch = KernelLaunch(hopper_backward_results_kernel, planned.grid, planned.num_warps, planned.num_stages,
                               ("dQAccum", "dQ", "dKParts", "dK", "dVParts", "dV"), planned.args)
         if len(_RESULT_LAUNCHES) >= 256:
             _RESULT_LAUNCHES.clear()
         _RESULT_LAUNCHES[key] = launch
-    # Three allocations, not views of one: the gradients must not share a storage.
-    dq16 = torch.empty(dq.shape, dtype=dtype, device=dq.device)
-    dk, dv = (torch.empty(dk_parts.shape[1:], dtype=dtype, device=dq.device) for _ in range(2))
-    launch(dq, dq16, dk_parts, dk, dv_parts, dv)
-    return dq16, dk, dv
+    return launch
 
 
 _RESULT_LAUNCHES: dict = {}
@@ -264,9 +325,9 @@ _RESULT_LAUNCHES: dict = {}
 
 class _HopperFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, cfg: FlashConfig, q, k, v):
+    def forward(ctx, cfg: FlashConfig, signature: Optional[tuple], q, k, v):
         out, lse = hopper_forward(q, k, v, cfg)
-        ctx.cfg = cfg
+        ctx.cfg, ctx.signature = cfg, signature
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -275,7 +336,10 @@ class _HopperFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise NotImplementedError(_OP.second_order_message())
         q, k, v, out, lse = ctx.saved_tensors
-        return (None, *hopper_backward(q, k, v, out, lse, dout, ctx.cfg))
+        grads = hopper_backward(q, k, v, out, lse, dout, ctx.cfg)
+        if ctx.signature is not None and hopper_program.unsettled(ctx.signature):
+            hopper_program.record_train(ctx.signature, q, k, v, out, lse, ctx.cfg)
+        return (None, None, *grads)
 
 
 _OP = MosaicOp("jaxattn::hopper_flash", lambda cfg, q, k, v: hopper_forward(q, k, v, cfg),
@@ -287,11 +351,22 @@ _OP = MosaicOp("jaxattn::hopper_flash", lambda cfg, q, k, v: hopper_forward(q, k
 def hopper_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> torch.Tensor:
     """Attention out (B, Hq, L, D) by the Hopper kernels; with `grad`, differentiable in q, k, v.
 
-    Eager calls take the shortest host path (an autograd.Function, or the forward alone); under
+    Eager calls take the shortest host path: a call signature's compiled program once it has one
+    (`hopper_program`), else an autograd.Function or the forward alone, which register it. Under
     torch.compile the call is the `jaxattn::hopper_flash` custom op (`bridge.mosaic_op`), one opaque
     graph node with its backward op."""
     if torch.compiler.is_compiling():
         return _OP(cfg, q, k, v)[0]
+    signature = hopper_program.signature(q, k, v, cfg, grad)
+    found = hopper_program.program(signature, q, k, v)
+    if found is not None:
+        if grad:
+            return triton_program.apply(found, [q, k, v])[0]
+        return triton_program.forward_only(found, [q, k, v])[0]
+    record = hopper_program.unsettled(signature)
     if grad:
-        return _HopperFunction.apply(cfg, q, k, v)
-    return hopper_forward(q, k, v, cfg)[0]
+        return _HopperFunction.apply(cfg, signature if record else None, q, k, v)
+    out = hopper_forward(q, k, v, cfg)[0]
+    if record:
+        hopper_program.record_forward(signature, q, k, v, cfg)
+    return out

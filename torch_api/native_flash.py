@@ -23,7 +23,7 @@ from ..bridge.triton_autograd import PreparedTritonCall, TritonOp, cached_hash, 
 from ..bridge.triton_launch import KernelLaunch, optional, traced
 from ..jax_core.kernels import flash_plan as plan
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
-from .hopper_flash import HOPPER_HEAD_DIMS, HOPPER_MIN_LENGTH, hopper_flash, hopper_reasons
+from .hopper_flash import HOPPER_HEAD_DIMS, hopper_flash, hopper_reasons, shortest_hopper_length
 
 try:
     from ..jax_core.kernels import flash_entries_triton as entries_triton
@@ -386,7 +386,7 @@ def takes_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashCo
     (torch.compile with dynamic shapes) keep the Triton kernels: a Mosaic kernel is compiled per
     shape, and testing the lengths would guard the graph on them (one graph per length instead of
     one for all)."""
-    shortest = min(HOPPER_MIN_LENGTH.values())
+    shortest = shortest_hopper_length()
     return (q.shape[-1] in HOPPER_HEAD_DIMS["forward"] and not _symbolic(q, k)
             and q.shape[2] >= shortest and k.shape[2] >= shortest
             and not hopper_reasons(q, k, v, cfg, grad))
