@@ -213,12 +213,14 @@ def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool) -> tupl
     return padded_lengths(l, s, block_q=tiles["block_q"], block_kv=tiles["block_kv"])
 
 
-def flash_hopper(query, key, value, *, scale, causal, diag_offset, window=None, softcap=None, kv_len=None):
-    """(out (B, L, Hq, D), lse (B, Hq, L) float32) on whole tiles; padded query rows are computed too."""
+def flash_hopper(query, key, value, sinks=None, *, scale, causal, diag_offset, window=None, softcap=None,
+                 kv_len=None):
+    """(out (B, L, Hq, D), lse (B, Hq, L) float32, the sinks' logits included) on whole tiles; padded
+    query rows are computed too. `sinks`: None or (Hq,) float32, one logit per query head."""
     from .kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
     return flash_forward_mgpu_tiles(query, key, value, scale=scale, causal=causal, diag_offset=diag_offset,
-                                    window=window, softcap=softcap, kv_len=kv_len,
+                                    window=window, softcap=softcap, kv_len=kv_len, sinks=sinks,
                                     **HOPPER_TILES["forward"][query.shape[-1]])
 
 

@@ -27,7 +27,8 @@ class InterpretedKernel(MosaicKernel):
         dtype = {torch.float16: jnp.float16, torch.bfloat16: jnp.bfloat16, torch.float32: jnp.float32}
         arrays = [jnp.asarray(t.contiguous().float().numpy(), dtype[t.dtype]) for t in tensors]
         fn = flash_forward_mgpu_tiles if self.which == "forward" else flash_backward_mgpu_tiles
-        results = fn(*arrays, **static, **calls.HOPPER_TILES[self.which][arrays[0].shape[-1]],
+        extra = dict(sinks=arrays.pop()) if self.which == "forward" and len(arrays) == 4 else {}
+        results = fn(*arrays, **static, **extra, **calls.HOPPER_TILES[self.which][arrays[0].shape[-1]],
                      interpret=interpret_params())
         back = {jnp.dtype(jnp.float16): torch.float16, jnp.dtype(jnp.bfloat16): torch.bfloat16,
                 jnp.dtype(jnp.float32): torch.float32}

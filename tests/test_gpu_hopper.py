@@ -74,6 +74,9 @@ def test_windows_soft_caps_and_any_lengths_take_the_hopper_kernels():
     pytest.param(2, 2, 2, 128, 128, dict(causal=True, dout="BLHD"), "BHLD", id="whole-tiles-folded-dout-transposed"),
     # head dim 64: the forward's 256-key tiles (S=300 pads to 512 there, to 384 in the backward)
     pytest.param(1, 4, 2, 130, 300, dict(causal=True, d=64), "BHLD", id="d64-edge-gqa"),
+    # sinks, one per query head: (B, H, T, D) memory goes unfolded (copied); -inf and large sinks
+    pytest.param(2, 4, 4, 128, 256, dict(causal=True, sinks=True), "BHLD", id="sinks-unfolded"),
+    pytest.param(1, 4, 2, 130, 200, dict(window=(30, 10), sinks=True), "BLHD", id="sinks-gqa-window-empty-rows"),
 ])
 def test_torch_launch_against_float64_oracle_interpreted(monkeypatch, b, hq, hk, l, s, kw, memory):
     """`hopper_forward` / `hopper_backward` with the kernels interpreted on the CPU: padding to whole
@@ -98,17 +101,26 @@ def test_torch_launch_against_float64_oracle_interpreted(monkeypatch, b, hq, hk,
     cfg = FlashConfig(scale=scale, causal=kw.get("causal", False), diag_offset=offset,
                       window=window or (-1, -1), softcap=softcap)
     q16, k16, v16, do16 = (x.to(dtype) for x in (q, k, v, do))  # .to keeps the memory layout
-    out, lse = hopper_flash.hopper_forward(q16, k16, v16, cfg)
-    grads = hopper_flash.hopper_backward(q16, k16, v16, out, lse, do16, cfg)
+    sinks = None
+    if kw.get("sinks"):
+        sinks = torch.randn(hq, generator=gen, dtype=torch.float32) * 2
+        sinks[0], sinks[-1] = -math.inf, 8.0  # a sink that adds nothing, one that takes most of the weight
+    out, lse = hopper_flash.hopper_forward(q16, k16, v16, cfg, sinks)
+    *grads, dsinks = hopper_flash.hopper_backward(q16, k16, v16, out, lse, do16, cfg, sinks)
     assert out.shape == q.shape and lse.shape == q.shape[:3] and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert (dsinks is None) == (sinks is None)
 
     rkw = dict(causal=cfg.causal, alignment="bottom_right" if kw.get("bottom_right") else "top_left", window=window,
                softcap=softcap, scale=scale)
     exact = [x.double() for x in (q16, k16, v16, do16)]
-    want, want_lse, (dq, dk, dv, _, _) = reference_grads(*exact[:3], exact[3], **rkw)
+    want, want_lse, (dq, dk, dv, _, want_dsinks) = reference_grads(*exact[:3], exact[3], sinks=sinks, **rkw)
     leaves = [x.to(dtype).requires_grad_(True) for x in exact[:3]]
-    low, _ = reference(*leaves, dtype=dtype, **rkw)
+    low, _ = reference(*leaves, sinks=sinks, dtype=dtype, **rkw)
     low_grads = torch.autograd.grad((low * do16).sum(), leaves)
+    if sinks is not None:  # d sinks in float32 against float64: the sum of a row vector's products
+        finite = torch.isfinite(sinks)
+        assert dsinks[~finite].eq(0).all()
+        assert torch.allclose(dsinks[finite].double(), want_dsinks[finite], rtol=2e-2, atol=2e-2), (dsinks, want_dsinks)
     assert_dtype_rule("out", out.double(), want, low.double(), floor=1e-3)
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), finite)
@@ -357,6 +369,8 @@ def test_kernels_run_on_the_current_stream():
     (8, 8, 4096, 4096, dict(window=(700, 300))),  # two-sided window, whole tiles (zero-copy views)
     (8, 4, 4097, 2049, dict(softcap=30.0, causal=True)),  # soft cap, L > S
     (8, 2, 3000, 5000, dict(softcap=15.0, window=(512, 64), bottom_right=True)),  # all of them
+    (8, 8, 4096, 4096, dict(causal=True, sinks=True)),  # sinks: (B, H, T, D) memory unfolded
+    (8, 2, 4097, 4161, dict(causal=True, sinks=True, window=(1000, 0))),  # sinks, GQA, window, edges
 ])
 def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dtype, hq, hk, l, s, kw):
     """The Hopper launch the native launcher takes (`hopper_flash`) on a window and/or a soft cap and
@@ -378,16 +392,20 @@ def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dty
     reasons = hopper_flash.hopper_reasons(q.to(dtype), k.to(dtype), v.to(dtype), cfg, grad=True)
     assert all("measured faster" in r for r in reasons), reasons  # only the length thresholds, if any
     leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
-    out = hopper_flash.hopper_flash(*leaves, cfg, grad=True)
-    grads = torch.autograd.grad((out * do.to(dtype)).sum(), leaves)
+    sinks = (torch.randn(hq, generator=gen, device="cuda") * 2).requires_grad_(True) if kw.get("sinks") else None
+    out = hopper_flash.hopper_flash(*leaves, cfg, grad=True, sinks=sinks)
+    grads = torch.autograd.grad((out * do.to(dtype)).sum(), leaves + ([sinks] if kw.get("sinks") else []))
     assert ran == ["_FORWARD", "_BACKWARD"], ran
 
     rkw = dict(causal=cfg.causal, alignment="bottom_right" if kw.get("bottom_right") else "top_left", window=window,
-               softcap=softcap, scale=scale)
-    want, _, (dq, dk, dv, _, _) = reference_grads(q, k, v, do, **rkw)
+               softcap=softcap, scale=scale, sinks=None if sinks is None else sinks.detach().double())
+    want, _, (dq, dk, dv, _, want_dsinks) = reference_grads(q, k, v, do, **rkw)
     low_leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
     low, _ = reference(*low_leaves, dtype=dtype, **rkw)
     low_grads = torch.autograd.grad((low * do.to(dtype)).sum(), low_leaves)
+    if sinks is not None:
+        *grads, dsinks = grads
+        assert torch.allclose(dsinks.double(), want_dsinks, rtol=2e-2, atol=2e-2 * want_dsinks.abs().max().item())
     # The kernels' soft cap uses tanh.approx.f32 (relative error below 2**-10.9): a larger floor.
     floor = 2e-2 if softcap is not None else 4e-3
     for name, got, ref, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, dq, dk, dv), (low, *low_grads)):

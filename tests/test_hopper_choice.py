@@ -177,18 +177,46 @@ def test_flash_attention_runs_the_hopper_kernels(interpreted_hopper):
         assert_dtype_rule(name, got.double(), ref, theirs.double(), floor=4e-3 * max(1.0, ref.abs().max().item()))
 
 
-@pytest.mark.parametrize("extra", [dict(return_lse=True), dict(sinks="sinks")])
-def test_flash_attention_keeps_the_triton_kernels_for_what_the_hopper_path_lacks(interpreted_hopper, extra):
-    """A returned (differentiable) LSE or sinks: the Triton kernels run the call."""
+def test_flash_attention_keeps_the_triton_kernels_for_a_returned_lse(interpreted_hopper):
+    """A returned (differentiable) LSE: the Triton kernels run the call (the Hopper LSE is not)."""
     from jaxattn.torch_api import flash_attention
 
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 128, 128, generator=gen, dtype=torch.float16) for _ in range(3))
-    if "sinks" in extra:
-        extra = dict(sinks=torch.randn(2, generator=gen))
     with sdpa_launcher("native"):
-        flash_attention(q, k, v, causal=True, **extra)
+        flash_attention(q, k, v, causal=True, return_lse=True)
     assert interpreted_hopper == []
+
+
+@pytest.mark.parametrize("per_head", [1, 3])
+def test_flash_attention_runs_sinks_on_the_hopper_kernels(interpreted_hopper, per_head):
+    """Sinks (one or several logits per query head, merged by log-sum-exp first) through
+    `flash_attention`: both Hopper kernels run, and out, dq, dk, dv and d sinks meet the float64 oracle."""
+    from attention_reference import assert_dtype_rule, reference, reference_grads
+
+    from jaxattn.torch_api import flash_attention
+
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    b, hq, hk, l, s, d, dtype = 1, 4, 2, 128, 256, 64, torch.float16
+    q, do = (torch.randn(b, hq, l, d, generator=gen, dtype=torch.float64).to(dtype).double() for _ in range(2))
+    k, v = (torch.randn(b, hk, s, d, generator=gen, dtype=torch.float64).to(dtype).double() for _ in range(2))
+    sinks = torch.randn(hq, per_head, generator=gen, dtype=torch.float64).squeeze(-1) * 2
+    kw = dict(causal=True, scale=0.8 / d ** 0.5)
+    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    sink_leaf = sinks.float().requires_grad_(True)
+    with sdpa_launcher("native"):
+        out = flash_attention(*leaves, sinks=sink_leaf, **kw)
+    *grads, dsinks = torch.autograd.grad((out * do.to(dtype)).sum(), [*leaves, sink_leaf])
+    assert interpreted_hopper == ["_FORWARD", "_BACKWARD"], interpreted_hopper
+
+    want, _, (dq, dk, dv, _, want_dsinks) = reference_grads(q, k, v, do, sinks=sinks, **kw)
+    low_leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    low, _ = reference(*low_leaves, sinks=sinks, dtype=dtype, **kw)
+    low_grads = torch.autograd.grad((low * do.to(dtype)).sum(), low_leaves)
+    for name, got, ref, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, dq, dk, dv), (low, *low_grads)):
+        assert_dtype_rule(name, got.double(), ref, theirs.double(), floor=4e-3 * max(1.0, ref.abs().max().item()))
+    assert dsinks.shape == sinks.shape
+    assert torch.allclose(dsinks.double(), want_dsinks, rtol=2e-2, atol=2e-2), (dsinks, want_dsinks)
 
 
 def test_the_transformers_plugin_runs_soft_capped_layers_on_the_hopper_kernels(interpreted_hopper):

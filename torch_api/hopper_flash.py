@@ -2,11 +2,12 @@
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
 sm90, bf16/fp16, head dim 64 or 128 (query and value), causal in either alignment or none, sliding
-windows, a logits soft cap, GQA, no bias, mask, dropout, sinks or packing, not inside CUDA graph
-capture (a first launch loads its module), and query and key lengths of at least `HOPPER_MIN_LENGTH`
-(forward only, or with gradients; `HOPPER_MIN_LENGTH_PROGRAM` for calls a compiled program runs),
-below which the Triton kernels measured faster (H100,
-BENCHMARKS.md "Hopper kernels"). Eager calls launch directly; under torch.compile a call is the
+windows, a logits soft cap, GQA, sinks (one logit per query head, eager calls: the kernels then see
+the query heads unfolded, so (B, H, T, D) memory is copied), no bias, mask, dropout or packing, not
+inside CUDA graph capture (a first launch loads its module), and query and key lengths of at least
+`HOPPER_MIN_LENGTH` (forward only, or with gradients; `HOPPER_MIN_LENGTH_PROGRAM` for calls a
+compiled program runs), below which the Triton kernels measured faster (BENCHMARKS.md "Hopper
+kernels", "Compiled programs for the Hopper path"). Eager calls launch directly; under torch.compile a call is the
 custom op `jaxattn::hopper_flash` (with its backward op, `bridge.mosaic_op`), which Inductor keeps
 opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
 Automatic launch (`launch.native_decision`) sends a call that `hopper_launch_reasons` accepts (with or
@@ -77,7 +78,7 @@ _LOG2E = 1.4426950408889634
 #: Head dims of the kernels, forward only and with gradients.
 HOPPER_HEAD_DIMS = dict(forward=(64, 128), train=(64, 128))
 #: jax_core features (`AttentionInputs.features`) the kernels take.
-_FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap"})
+_FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks"})
 
 
 def shortest_hopper_length() -> int:
@@ -163,14 +164,16 @@ def hopper_launch_reasons(inputs: AttentionInputs, device: torch.device, *, grad
     return reasons or mosaic_reasons(device)
 
 
-def _kernel_views(tensors: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) -> tuple[list[torch.Tensor], bool]:
+def _kernel_views(tensors: tuple[torch.Tensor, ...], lengths: tuple[int, ...],
+                  fold: bool = True) -> tuple[list[torch.Tensor], bool]:
     """(B, H, T, D) tensors as the kernels' (batch, T', heads, D) arrays of T' = `lengths` rows (whole
     tiles), and whether they were folded: (B, H, T, D) memory itself, with equal head counts, passes as
-    (B*H, T', 1, D) (attention per (batch, head) pair); (B, T, H, D) memory seen transposed passes as
-    is; anything else is copied to (B, T', H, D). No copy where T = T' and the memory fits; otherwise
-    one copy, into a buffer whose rows T.. are zeros."""
+    (B*H, T', 1, D) (attention per (batch, head) pair; not with `fold` False: a call with sinks needs
+    the kernels' heads to be the query heads); (B, T, H, D) memory seen transposed passes as is;
+    anything else is copied to (B, T', H, D). No copy where T = T' and the memory fits; otherwise one
+    copy, into a buffer whose rows T.. are zeros."""
     heads = {t.shape[1] for t in tensors}
-    if len(heads) == 1 and all(t.is_contiguous() for t in tensors):
+    if fold and len(heads) == 1 and all(t.is_contiguous() for t in tensors):
         return [_padded(t, n, 2).reshape(t.shape[0] * t.shape[1], n, 1, t.shape[3])
                 for t, n in zip(tensors, lengths)], True
     return [_padded(t.transpose(1, 2), n, 1).contiguous() for t, n in zip(tensors, lengths)], False
@@ -202,24 +205,28 @@ def _static(cfg: FlashConfig, kv_len: int) -> dict:
                 softcap=None if cfg.softcap is None else float(cfg.softcap), kv_len=int(kv_len))
 
 
-def hopper_forward(q, k, v, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient."""
+def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient; `sinks`: None or (Hq,) float32 logits,
+    one per query head, in each row's softmax normaliser (and so in the LSE)."""
     l, s = q.shape[2], k.shape[2]
     rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=False)
-    (kq, kk, kv), folded = _kernel_views((q, k, v), (rows, keys, keys))
-    out, lse = _FORWARD(kq, kk, kv, **_static(cfg, s))
+    (kq, kk, kv), folded = _kernel_views((q, k, v), (rows, keys, keys), fold=sinks is None)
+    sinks = () if sinks is None else (sinks.detach().float().contiguous(),)
+    out, lse = _FORWARD(kq, kk, kv, *sinks, **_static(cfg, s))
     return _torch_view(out, q, folded), lse.view(*q.shape[:2], rows)[..., :l]
 
 
-def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in (B, H, T, D) shapes of the inputs' dtype, from the forward's out and lse."""
+def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(dq, dk, dv) in (B, H, T, D) shapes of the inputs' dtype, and d sinks ((Hq,) of the sinks' dtype;
+    None without sinks), from the forward's out and lse."""
     l, s = q.shape[2], k.shape[2]
     rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=True)
     if rows == l and (dout.stride() != out.stride() or dout.dtype != q.dtype):
         # The kernel reads dO in out's layout: one copy of dO (as torch's own flash backward takes)
         # keeps q, k and v in place, where dO in another layout would send all four to copies.
         dout = torch.empty_strided(out.shape, out.stride(), dtype=q.dtype, device=out.device).copy_(dout)
-    (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
+    (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows), fold=sinks is None)
     batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
     lse_log2, delta = torch.empty((2, batch, heads, rows), dtype=torch.float32, device=q.device).unbind(0)
     accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)
@@ -230,7 +237,11 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig) -> tuple[torch.Te
         dq, dk, dv = backward_results(dq, dk, dv, q.dtype)
     else:
         dq = backward_results(dq, None, None, q.dtype)[0]
-    return _torch_view(dq, q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded)
+    dsinks = None
+    if sinks is not None:  # the sink's logit reaches the output only through the normaliser
+        weight = torch.where(torch.isneginf(lse), 0.0, torch.exp(sinks.detach().float()[None, :, None] - lse))
+        dsinks = (-(weight * delta.view(*q.shape[:2], rows)[..., :l]).sum(dim=(0, 2))).to(sinks.dtype)
+    return _torch_view(dq, q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded), dsinks
 
 
 def backward_operands(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
@@ -325,38 +336,46 @@ _RESULT_LAUNCHES: dict = {}
 
 class _HopperFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, cfg: FlashConfig, signature: Optional[tuple], q, k, v):
-        out, lse = hopper_forward(q, k, v, cfg)
+    def forward(ctx, cfg: FlashConfig, signature: Optional[tuple], q, k, v, sinks):
+        out, lse = hopper_forward(q, k, v, cfg, sinks)
         ctx.cfg, ctx.signature = cfg, signature
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         if torch.is_grad_enabled():
             raise NotImplementedError(_OP.second_order_message())
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = hopper_backward(q, k, v, out, lse, dout, ctx.cfg)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        grads = hopper_backward(q, k, v, out, lse, dout, ctx.cfg, sinks)
         if ctx.signature is not None and hopper_program.unsettled(ctx.signature):
             hopper_program.record_train(ctx.signature, q, k, v, out, lse, ctx.cfg)
         return (None, None, *grads)
 
 
 _OP = MosaicOp("jaxattn::hopper_flash", lambda cfg, q, k, v: hopper_forward(q, k, v, cfg),
-               lambda cfg, inputs, outputs, grads: hopper_backward(*inputs, *outputs, grads[0], cfg),
+               lambda cfg, inputs, outputs, grads: hopper_backward(*inputs, *outputs, grads[0], cfg)[:3],
                num_outputs=1, spec_types=(FlashConfig,),
                second_order_hint="sdpa_launcher('xla') runs a differentiable path.")
 
 
-def hopper_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> torch.Tensor:
-    """Attention out (B, Hq, L, D) by the Hopper kernels; with `grad`, differentiable in q, k, v.
+def hopper_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention out (B, Hq, L, D) by the Hopper kernels; with `grad`, differentiable in q, k, v (and
+    `sinks`, None or (Hq,) float logits, one per query head: eager calls only).
 
     Eager calls take the shortest host path: a call signature's compiled program once it has one
-    (`hopper_program`), else an autograd.Function or the forward alone, which register it. Under
-    torch.compile the call is the `jaxattn::hopper_flash` custom op (`bridge.mosaic_op`), one opaque
-    graph node with its backward op."""
+    (`hopper_program`; calls without sinks), else an autograd.Function or the forward alone, which
+    register it. Under torch.compile the call is the `jaxattn::hopper_flash` custom op
+    (`bridge.mosaic_op`), one opaque graph node with its backward op."""
     if torch.compiler.is_compiling():
+        if sinks is not None:
+            raise NotImplementedError("hopper_flash: sinks under torch.compile; the native Triton kernels take them.")
         return _OP(cfg, q, k, v)[0]
+    if sinks is not None:
+        if grad:
+            return _HopperFunction.apply(cfg, None, q, k, v, sinks)
+        return hopper_forward(q, k, v, cfg, sinks)[0]
     signature = hopper_program.signature(q, k, v, cfg, grad)
     found = hopper_program.program(signature, q, k, v)
     if found is not None:
@@ -365,7 +384,7 @@ def hopper_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashCo
         return triton_program.forward_only(found, [q, k, v])[0]
     record = hopper_program.unsettled(signature)
     if grad:
-        return _HopperFunction.apply(cfg, signature if record else None, q, k, v)
+        return _HopperFunction.apply(cfg, signature if record else None, q, k, v, None)
     out = hopper_forward(q, k, v, cfg)[0]
     if record:
         hopper_program.record_forward(signature, q, k, v, cfg)

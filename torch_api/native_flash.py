@@ -381,7 +381,7 @@ def reverse_grad(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 def takes_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> bool:
-    """Whether the Hopper kernels run this call without bias, mask, sinks or packing (`hopper_reasons`).
+    """Whether the Hopper kernels run this call without bias, mask or packing (`hopper_reasons`).
     The cheap tests first: most calls (decoding, short prefills) stop at the lengths. Symbolic sizes
     (torch.compile with dynamic shapes) keep the Triton kernels: a Mosaic kernel is compiled per
     shape, and testing the lengths would guard the graph on them (one graph per length instead of
@@ -417,21 +417,22 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashC
         alibi_slopes: None or float (Hq,) or (B, Hq) ALiBi slopes (B: the sequences with
             `cu_seqlens`): -slope * |i + S - L - j| joins each logit after scale, soft cap and bias,
             with positions and lengths of the sequence. No gradient.
-        need_lse: False when the caller drops the LSE: a call without bias, mask, sinks, dropout,
-            segments, packing or ALiBi that the Hopper kernels take (`takes_hopper`) then runs them
-            (their LSE is not differentiable), and the LSE returned is None.
+        need_lse: False when the caller drops the LSE: a call without bias, mask, dropout, segments,
+            packing or ALiBi (sinks only in eager calls) that the Hopper kernels take (`takes_hopper`)
+            then runs them (their LSE is not differentiable), and the LSE returned is None.
 
     Returns:
         out (B, Hq, L, Dv) of q's dtype (a view of (B, L, Hq, Dv) memory, or of (B, Hq, L, Dv) memory
         from the Hopper kernels on contiguous (B, H, T, D) inputs), lse (B, Hq, L) float32 or None.
     """
-    if (not need_lse and bias is None and mask is None and sinks is None and seed is None and segment_ids is None
-            and cu_seqlens is None and alibi_slopes is None and _plain_launch()):
-        grad = reverse_grad(q, k, v)
-        if takes_hopper(q, k, v, cfg, grad):
-            return hopper_flash(q, k, v, cfg, grad), None
     if sinks is not None:  # several sink logits per head join the denominator as their log-sum-exp
         sinks = (sinks if sinks.dim() == 1 else torch.logsumexp(sinks.float(), -1)).float()
+    if (not need_lse and bias is None and mask is None and seed is None and segment_ids is None
+            and cu_seqlens is None and alibi_slopes is None and _plain_launch()
+            and (sinks is None or not torch.compiler.is_compiling())):  # the compiled Hopper op has no sinks
+        grad = reverse_grad(q, k, v, sinks)
+        if takes_hopper(q, k, v, cfg, grad):
+            return hopper_flash(q, k, v, cfg, grad, sinks), None
     if mask is not None and mask.dtype == torch.bool:
         # Same bytes, read as int8 by the kernels; Inductor cannot lower a bool->int8 view, so a
         # traced call converts (fused into the mask's producer).
