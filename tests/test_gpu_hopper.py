@@ -74,8 +74,8 @@ def test_windows_soft_caps_and_any_lengths_take_the_hopper_kernels():
     pytest.param(2, 2, 2, 128, 128, dict(causal=True, dout="BLHD"), "BHLD", id="whole-tiles-folded-dout-transposed"),
     # head dim 64: the forward's 256-key tiles (S=300 pads to 512 there, to 384 in the backward)
     pytest.param(1, 4, 2, 130, 300, dict(causal=True, d=64), "BHLD", id="d64-edge-gqa"),
-    # sinks, one per query head: (B, H, T, D) memory goes unfolded (copied); -inf and large sinks
-    pytest.param(2, 4, 4, 128, 256, dict(causal=True, sinks=True), "BHLD", id="sinks-unfolded"),
+    # sinks, one per query head: folded (B, H, T, D) memory takes one per (batch, head); -inf and large sinks
+    pytest.param(2, 4, 4, 128, 256, dict(causal=True, sinks=True), "BHLD", id="sinks-folded"),
     pytest.param(1, 4, 2, 130, 200, dict(window=(30, 10), sinks=True), "BLHD", id="sinks-gqa-window-empty-rows"),
 ])
 def test_torch_launch_against_float64_oracle_interpreted(monkeypatch, b, hq, hk, l, s, kw, memory):
@@ -369,7 +369,7 @@ def test_kernels_run_on_the_current_stream():
     (8, 8, 4096, 4096, dict(window=(700, 300))),  # two-sided window, whole tiles (zero-copy views)
     (8, 4, 4097, 2049, dict(softcap=30.0, causal=True)),  # soft cap, L > S
     (8, 2, 3000, 5000, dict(softcap=15.0, window=(512, 64), bottom_right=True)),  # all of them
-    (8, 8, 4096, 4096, dict(causal=True, sinks=True)),  # sinks: (B, H, T, D) memory unfolded
+    (8, 8, 4096, 4096, dict(causal=True, sinks=True)),  # sinks, folded: one per (batch, head) pair
     (8, 2, 4097, 4161, dict(causal=True, sinks=True, window=(1000, 0))),  # sinks, GQA, window, edges
 ])
 def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dtype, hq, hk, l, s, kw):

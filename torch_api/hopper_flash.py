@@ -2,14 +2,13 @@
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
 sm90, bf16/fp16, head dim 64 or 128 (query and value), causal in either alignment or none, sliding
-windows, a logits soft cap, GQA, sinks (one logit per query head, eager calls: the kernels then see
-the query heads unfolded, so (B, H, T, D) memory is copied), no bias, mask, dropout or packing, not
-inside CUDA graph capture (a first launch loads its module), and query and key lengths of at least
-`HOPPER_MIN_LENGTH` (forward only, or with gradients; `HOPPER_MIN_LENGTH_PROGRAM` for calls a
-compiled program runs), below which the Triton kernels measured faster (BENCHMARKS.md "Hopper
-kernels", "Compiled programs for the Hopper path"). Eager calls launch directly; under torch.compile a call is the
-custom op `jaxattn::hopper_flash` (with its backward op, `bridge.mosaic_op`), which Inductor keeps
-opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
+windows, a logits soft cap, GQA, sinks (one logit per query head; eager calls), no bias, mask,
+dropout or packing, not inside CUDA graph capture (a first launch loads its module), and query and
+key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients;
+`HOPPER_MIN_LENGTH_PROGRAM` for calls a compiled program runs), below which the Triton kernels
+measured faster (BENCHMARKS.md "Hopper kernels", "Compiled programs for the Hopper path"). Eager
+calls launch directly; under torch.compile a call is the custom op `jaxattn::hopper_flash` (with its
+backward op, `bridge.mosaic_op`), which Inductor keeps opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
 Automatic launch (`launch.native_decision`) sends a call that `hopper_launch_reasons` accepts (with or
 without gradients, as the call needs: the drop-in's prepared calls, `flash_attention` and the
 transformers plug-in tell it) to the native launcher, and so to these kernels, instead of JAX's cuDNN;
@@ -164,16 +163,14 @@ def hopper_launch_reasons(inputs: AttentionInputs, device: torch.device, *, grad
     return reasons or mosaic_reasons(device)
 
 
-def _kernel_views(tensors: tuple[torch.Tensor, ...], lengths: tuple[int, ...],
-                  fold: bool = True) -> tuple[list[torch.Tensor], bool]:
+def _kernel_views(tensors: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) -> tuple[list[torch.Tensor], bool]:
     """(B, H, T, D) tensors as the kernels' (batch, T', heads, D) arrays of T' = `lengths` rows (whole
     tiles), and whether they were folded: (B, H, T, D) memory itself, with equal head counts, passes as
-    (B*H, T', 1, D) (attention per (batch, head) pair; not with `fold` False: a call with sinks needs
-    the kernels' heads to be the query heads); (B, T, H, D) memory seen transposed passes as is;
-    anything else is copied to (B, T', H, D). No copy where T = T' and the memory fits; otherwise one
-    copy, into a buffer whose rows T.. are zeros."""
+    (B*H, T', 1, D) (attention per (batch, head) pair); (B, T, H, D) memory seen transposed passes as
+    is; anything else is copied to (B, T', H, D). No copy where T = T' and the memory fits; otherwise
+    one copy, into a buffer whose rows T.. are zeros."""
     heads = {t.shape[1] for t in tensors}
-    if fold and len(heads) == 1 and all(t.is_contiguous() for t in tensors):
+    if len(heads) == 1 and all(t.is_contiguous() for t in tensors):
         return [_padded(t, n, 2).reshape(t.shape[0] * t.shape[1], n, 1, t.shape[3])
                 for t, n in zip(tensors, lengths)], True
     return [_padded(t.transpose(1, 2), n, 1).contiguous() for t, n in zip(tensors, lengths)], False
@@ -206,13 +203,15 @@ def _static(cfg: FlashConfig, kv_len: int) -> dict:
 
 
 def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient; `sinks`: None or (Hq,) float32 logits,
+    """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient; `sinks`: None or (Hq,) float logits,
     one per query head, in each row's softmax normaliser (and so in the LSE)."""
     l, s = q.shape[2], k.shape[2]
     rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=False)
-    (kq, kk, kv), folded = _kernel_views((q, k, v), (rows, keys, keys), fold=sinks is None)
-    sinks = () if sinks is None else (sinks.detach().float().contiguous(),)
-    out, lse = _FORWARD(kq, kk, kv, *sinks, **_static(cfg, s))
+    (kq, kk, kv), folded = _kernel_views((q, k, v), (rows, keys, keys))
+    if sinks is not None:  # folded: the kernels' batch is (B, H) pairs, one sink each
+        sinks = sinks.detach().float()
+        sinks = (sinks.repeat(q.shape[0]).view(-1, 1) if folded else sinks.contiguous(),)
+    out, lse = _FORWARD(kq, kk, kv, *(sinks or ()), **_static(cfg, s))
     return _torch_view(out, q, folded), lse.view(*q.shape[:2], rows)[..., :l]
 
 
@@ -226,7 +225,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
         # The kernel reads dO in out's layout: one copy of dO (as torch's own flash backward takes)
         # keeps q, k and v in place, where dO in another layout would send all four to copies.
         dout = torch.empty_strided(out.shape, out.stride(), dtype=q.dtype, device=out.device).copy_(dout)
-    (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows), fold=sinks is None)
+    (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
     batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
     lse_log2, delta = torch.empty((2, batch, heads, rows), dtype=torch.float32, device=q.device).unbind(0)
     accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)

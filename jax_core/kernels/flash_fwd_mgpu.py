@@ -25,7 +25,8 @@ Features, all compiled in (none of them costs anything when unused):
       blocks it does not need, and masks only the blocks that cross one of its rows' band edges.
     * logits soft cap: s -> softcap * tanh(scale * s / softcap) before the softmax.
     * attention sinks: one logit per query head that joins each row's softmax normaliser (and the
-      LSE) but carries no value; an extra kernel operand only when given.
+      LSE) but carries no value; an extra kernel operand only when given, (Hq,), or (B, Hq) on whole
+      tiles (`flash_forward_mgpu_tiles`: a caller that folds (batch, head) pairs into the batch).
 Edge tiles: TMA moves whole tiles only, so `flash_forward_mgpu` pads q to a multiple of 2 * block_q
 rows and k, v to a multiple of block_kv (a copy only when a length is not one already), runs the
 kernel with the true key count `kv_len` (keys past it are masked in the last key block only) and
@@ -226,12 +227,13 @@ def _pad_rows(x, length):
     return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
 
 
-def _checked_band(q, k, v, *, scale, causal, diag_offset, window, softcap, sinks, block_q, block_kv, stages):
+def _checked_band(q, k, v, *, scale, causal, diag_offset, window, softcap, sinks, block_q, block_kv, stages,
+                  per_batch_sinks=False):
     """The checked arguments' band, all keys (kv_len = S) real."""
     check_arrays(q, k, v)
     check_tiling(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q, block_kv, stages)
     check_features(q.shape[2], scale=scale, diag_offset=diag_offset, window=window, softcap=softcap,
-                   sinks=sinks)
+                   sinks=sinks, batch=q.shape[0] if per_batch_sinks else None)
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
@@ -268,7 +270,8 @@ def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset
     0 * NaN is NaN. One Mosaic GPU kernel call and nothing else, so that `plgpu.as_torch_kernel`
     can launch a function that calls this on torch tensors."""
     band = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
-                         softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages)
+                         softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages,
+                         per_batch_sinks=True)
     kv_len = band.kv_len if kv_len is None else kv_len
     check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv)
     return _launch(q, k, v, sinks, band=dataclasses.replace(band, kv_len=int(kv_len)), scale=scale,
@@ -405,7 +408,7 @@ def _compute(q_ref, sinks_ref, out_ref, lse_ref, bufs, bars, *, batch, head, wg,
     if sinks_ref is not None:
         # The sink is one more logit with no value: the running max and sum start from it (a -inf
         # sink leaves them at M_FLOOR and 0).
-        sink = sinks_ref[head] * LOG2E
+        sink = (sinks_ref[head] if len(sinks_ref.shape) == 1 else sinks_ref[batch, head]) * LOG2E
         m = jnp.maximum(m, sink)
         l = jnp.exp2(sink - m)
     # Warpgroup 1 starts one turn behind, so the two alternate: QK of one during softmax of the other.

@@ -79,8 +79,9 @@ def check_whole_tiles(l, s, kv_len, block_q, block_kv, *, rows=None, keys=None, 
                          f"of keys padded to S={s}, less than one {keys[0]}={keys[1]} of padding)")
 
 
-def check_features(hq, *, scale, diag_offset, window, softcap, sinks):
-    """Scale, diagonal offset, window, soft cap and sinks (all but sinks are compiled in)."""
+def check_features(hq, *, scale, diag_offset, window, softcap, sinks, batch=None):
+    """Scale, diagonal offset, window, soft cap and sinks (all but sinks are compiled in); with `batch`,
+    sinks may also be one logit per (batch, head) pair, (B, Hq)."""
     if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and 0 < scale < math.inf):
         raise ValueError(f"scale={scale!r}: expected a positive Python float (it is compiled in)")
     if isinstance(diag_offset, bool) or not isinstance(diag_offset, numbers.Integral):
@@ -98,9 +99,12 @@ def check_features(hq, *, scale, diag_offset, window, softcap, sinks):
                          "compiled in); hint: None for no cap")
     if sinks is not None:
         shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
-        if shape != (hq,) or dtype != jnp.float32:
+        shapes = [(hq,)] + ([] if batch is None else [(batch, hq)])
+        if shape not in shapes or dtype != jnp.float32:
+            per_batch = "" if batch is None else f" or (B, Hq) = ({batch}, {hq}), one per batch and head"
             raise ValueError(f"sinks of shape {shape} and dtype {dtype}: expected a float32 array of shape "
-                             f"(Hq,) = ({hq},), one sink logit per query head; hint: sinks.astype(jnp.float32)")
+                             f"(Hq,) = ({hq},), one sink logit per query head{per_batch}; hint: "
+                             "sinks.astype(jnp.float32)")
 
 
 def check_backward_operands(q, do, lse_log2, delta, dq_accum):
