@@ -235,3 +235,27 @@ def test_the_transformers_plugin_runs_soft_capped_layers_on_the_hopper_kernels(i
     assert interpreted_hopper == ["_FORWARD", "_BACKWARD"], interpreted_hopper
     want, _ = reference(*(x.detach().double() for x in (q, k, v)), causal=True, softcap=5.0, scale=0.125)
     assert (out.double() - want).abs().max().item() < 1e-2
+
+
+def test_programs_decide_the_shorter_threshold_only_where_they_run(monkeypatch):
+    """`hopper_program.may_run`, which lets a call take the Hopper kernels below `HOPPER_MIN_LENGTH`: whole
+    tiles read in place, programs on, and a signature not settled without a program (then the Python
+    path's threshold holds: its host time is what the threshold measures)."""
+    from jaxattn.bridge import triton_program
+    from jaxattn.jax_core.kernels.flash_plan import FlashConfig
+    from jaxattn.torch_api import hopper_program
+
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    monkeypatch.setattr(hopper_program, "_PROGRAMS", {})
+    cfg = FlashConfig(scale=0.1, causal=True)
+    q, k, v = (torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    assert hopper_program.may_run(q, k, v, cfg, True)
+    blhd = [torch.empty(2, 1024, h, 128, dtype=torch.bfloat16).transpose(1, 2) for h in (4, 2, 2)]
+    assert hopper_program.may_run(*blhd, cfg, True)  # GQA in (B, L, H, D) memory: read in place
+    assert not hopper_program.may_run(q[:, :, :1000], k, v, cfg, True)  # a partial tile: padded copies
+    assert not hopper_program.may_run(q, *blhd[1:], cfg, True)  # mixed layouts: copies
+    hopper_program._PROGRAMS[hopper_program.signature(q, k, v, cfg, True)] = -1  # registration failed
+    assert not hopper_program.may_run(q, k, v, cfg, True)
+    assert hopper_program.may_run(q, k, v, cfg, False)  # another signature
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "0")
+    assert not hopper_program.may_run(q, k, v, cfg, False)

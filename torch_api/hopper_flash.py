@@ -86,14 +86,13 @@ def shortest_hopper_length() -> int:
                                               for n in by_dim.values()))
 
 
-def _min_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool) -> int:
+def _min_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> int:
     """The length threshold of this call: the compiled programs' where one runs it, else the Python path's."""
     kind = "train" if grad else "forward"
     (b, hq, l, d), s = q.shape, k.shape[2]
     shortest = HOPPER_MIN_LENGTH_PROGRAM[kind].get(d, HOPPER_MIN_LENGTH[kind])
     if (shortest < HOPPER_MIN_LENGTH[kind] and min(l, s) >= shortest and b * hq * l * s >= HOPPER_MIN_PAIRS_PROGRAM
-            and q.is_cuda and not torch.compiler.is_compiling() and triton_program.enabled()
-            and hopper_program.in_place(q, k, v, backward=grad)):
+            and q.is_cuda and not torch.compiler.is_compiling() and hopper_program.may_run(q, k, v, cfg, grad)):
         return shortest
     return HOPPER_MIN_LENGTH[kind]
 
@@ -128,7 +127,7 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     mask, sinks or packing: the caller checks those)."""
     (_, hq, l, d), (hk, s), dv = q.shape, k.shape[1:3], v.shape[-1]
     same = k.dtype == q.dtype and v.dtype == q.dtype
-    min_length = _min_length(q, k, v, grad) if min(l, s) < HOPPER_MIN_LENGTH["train" if grad else "forward"] else None
+    min_length = _min_length(q, k, v, cfg, grad) if min(l, s) < HOPPER_MIN_LENGTH["train" if grad else "forward"] else None
     reasons = _reasons(str(q.dtype).removeprefix("torch.") if same else "mixed", d, dv, hq, hk, l, s, grad,
                        min_length)
     if cfg.dropout_p or cfg.varlen is not None:

@@ -55,6 +55,14 @@ def unsettled(key: tuple) -> bool:
     return key not in _PROGRAMS and len(_PROGRAMS) < MAX_SIGNATURES
 
 
+def may_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> bool:
+    """Whether a program runs, or will run once registered, this call: programs on and their extension
+    not failed to build, inputs the kernels read in place, and the signature not settled without one
+    (a JAX whose Mosaic kernels have no host program to call, a launch the extension cannot take)."""
+    return (triton_program.enabled() and triton_program.build_error() is None and in_place(q, k, v, backward=grad)
+            and _PROGRAMS.get(signature(q, k, v, cfg, grad)) != -1)
+
+
 def in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> bool:
     """Whether the kernels read these inputs in place (no padding, no copy)."""
     l, s, d = q.shape[2], k.shape[2], q.shape[-1]
