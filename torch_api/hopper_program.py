@@ -134,7 +134,7 @@ def record_train(key: tuple, q, k, v, out, lse, cfg: FlashConfig) -> None:
 def _register(q, k, v, cfg: FlashConfig, saved: Optional[tuple]) -> Optional[int]:
     """Registers the signature's program (forward only, or with the backward where `saved` holds the
     Python path's out and lse of a call just run); None where a launch cannot run compiled."""
-    l, s, d = q.shape[2], k.shape[2], q.shape[-1]
+    l, s = q.shape[2], k.shape[2]
     (kq, kk, kv), folded = _hopper._kernel_views((q, k, v), (l, s, s))
     static = _hopper._static(cfg, s)
     forward = _hopper._FORWARD.host_launch(_meta(kq, kk, kv), static)
@@ -152,6 +152,8 @@ def _register(q, k, v, cfg: FlashConfig, saved: Optional[tuple]) -> Optional[int
 
 
 def _register_train(q, k, v, cfg, saved, kernel_inputs, folded, common, saved_buffers) -> Optional[int]:
+    """`_register` with the backward: the operands pass, the backward kernel, the results pass (buffers
+    in the module docstring), planned as the Python path's call just ran them."""
     out_t, lse_t = saved
     kq, kk, kv = kernel_inputs
     batch, rows, heads = kq.shape[:3]
