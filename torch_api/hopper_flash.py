@@ -8,7 +8,8 @@ key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients;
 `HOPPER_MIN_LENGTH_PROGRAM` for calls a compiled program runs), below which the Triton kernels
 measured faster (BENCHMARKS.md "Hopper kernels", "Compiled programs for the Hopper path"). Eager
 calls launch directly; under torch.compile a call is the custom op `jaxattn::hopper_flash` (with its
-backward op, `bridge.mosaic_op`), which Inductor keeps opaque and CUDA graphs leave out (`mode="reduce-overhead"` captures the rest of the graph).
+backward op, `bridge.mosaic_op`), which Inductor keeps opaque and CUDA graphs leave out
+(`mode="reduce-overhead"` captures the rest of the graph).
 Automatic launch (`launch.native_decision`) sends a call that `hopper_launch_reasons` accepts (with or
 without gradients, as the call needs: the drop-in's prepared calls, `flash_attention` and the
 transformers plug-in tell it) to the native launcher, and so to these kernels, instead of JAX's cuDNN;
@@ -91,7 +92,7 @@ def _min_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashCon
     kind = "train" if grad else "forward"
     (b, hq, l, d), s = q.shape, k.shape[2]
     shortest = HOPPER_MIN_LENGTH_PROGRAM[kind].get(d, HOPPER_MIN_LENGTH[kind])
-    if (shortest < HOPPER_MIN_LENGTH[kind] and min(l, s) >= shortest and b * hq * l * s >= HOPPER_MIN_PAIRS_PROGRAM
+    if (shortest <= min(l, s) < HOPPER_MIN_LENGTH[kind] and b * hq * l * s >= HOPPER_MIN_PAIRS_PROGRAM
             and q.is_cuda and not torch.compiler.is_compiling() and hopper_program.may_run(q, k, v, cfg, grad)):
         return shortest
     return HOPPER_MIN_LENGTH[kind]
@@ -127,9 +128,8 @@ def hopper_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Flash
     mask, sinks or packing: the caller checks those)."""
     (_, hq, l, d), (hk, s), dv = q.shape, k.shape[1:3], v.shape[-1]
     same = k.dtype == q.dtype and v.dtype == q.dtype
-    min_length = _min_length(q, k, v, cfg, grad) if min(l, s) < HOPPER_MIN_LENGTH["train" if grad else "forward"] else None
     reasons = _reasons(str(q.dtype).removeprefix("torch.") if same else "mixed", d, dv, hq, hk, l, s, grad,
-                       min_length)
+                       _min_length(q, k, v, cfg, grad))
     if cfg.dropout_p or cfg.varlen is not None:
         reasons.append("dropout or varlen: the Hopper kernels have neither")
     if reasons:
@@ -276,16 +276,13 @@ def operands_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, ac
     accum_strides = (out.shape[1] * st[0], st[0], st[1]) if folded else (st[0], st[2], st[1])
     key = (out.shape, out.stride(), dout.stride(), lse.stride(), accum_strides, rows, out.dtype, dout.dtype,
            out.device)
-    launch = _OPERAND_LAUNCHES.get(key)
-    if launch is None:
+
+    def make():
         planned = flash_plan.hopper_backward_operands_launch(
             Operand.of(out.shape, out.stride()), tuple(dout.stride()), tuple(lse.stride()), accum_strides, rows)
-        launch = KernelLaunch(hopper_backward_operands_kernel, planned.grid, planned.num_warps, planned.num_stages,
-                              ("Out", "dOut", "Lse", "Delta", "LseLog2", "dQAccum"), planned.args)
-        if len(_OPERAND_LAUNCHES) >= 256:  # one per training shape: a program cycling through more gains nothing
-            _OPERAND_LAUNCHES.clear()
-        _OPERAND_LAUNCHES[key] = launch
-    return launch
+        return KernelLaunch(hopper_backward_operands_kernel, planned.grid, planned.num_warps, planned.num_stages,
+                            ("Out", "dOut", "Lse", "Delta", "LseLog2", "dQAccum"), planned.args)
+    return _kept(_OPERAND_LAUNCHES, key, make)
 
 
 _OPERAND_LAUNCHES: dict = {}
@@ -318,14 +315,22 @@ def results_launch(nq: int, parts_shape: Optional[torch.Size], dtype: torch.dtyp
     `parts_shape` (None: none), kept per signature."""
     splits, nkv = (1, 0) if parts_shape is None else (parts_shape[0], math.prod(parts_shape[1:]))
     key = (nq, nkv, splits, dtype, device)
-    launch = _RESULT_LAUNCHES.get(key)
-    if launch is None:
+
+    def make():
         planned = flash_plan.hopper_backward_results_launch(nq, nkv, splits)
-        launch = KernelLaunch(hopper_backward_results_kernel, planned.grid, planned.num_warps, planned.num_stages,
-                              ("dQAccum", "dQ", "dKParts", "dK", "dVParts", "dV"), planned.args)
-        if len(_RESULT_LAUNCHES) >= 256:
-            _RESULT_LAUNCHES.clear()
-        _RESULT_LAUNCHES[key] = launch
+        return KernelLaunch(hopper_backward_results_kernel, planned.grid, planned.num_warps, planned.num_stages,
+                            ("dQAccum", "dQ", "dKParts", "dK", "dVParts", "dV"), planned.args)
+    return _kept(_RESULT_LAUNCHES, key, make)
+
+
+def _kept(launches: dict, key: tuple, make) -> KernelLaunch:
+    """`launches[key]`, made by `make()` the first time. One per training shape: a program cycling
+    through more than 256 starts over rather than growing without bound."""
+    launch = launches.get(key)
+    if launch is None:
+        if len(launches) >= 256:
+            launches.clear()
+        launch = launches[key] = make()
     return launch
 
 

@@ -58,9 +58,12 @@ def unsettled(key: tuple) -> bool:
 def may_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> bool:
     """Whether a program runs, or will run once registered, this call: programs on and their extension
     not failed to build, inputs the kernels read in place, and the signature not settled without one
-    (a JAX whose Mosaic kernels have no host program to call, a launch the extension cannot take)."""
-    return (triton_program.enabled() and triton_program.build_error() is None and in_place(q, k, v, backward=grad)
-            and _PROGRAMS.get(signature(q, k, v, cfg, grad)) != -1)
+    (a JAX whose Mosaic kernels have no host program to call, a launch the extension cannot take).
+    A settled signature answers from its entry, so a call that has its program pays one lookup."""
+    settled = _PROGRAMS.get(signature(q, k, v, cfg, grad))
+    if settled is not None:
+        return settled >= 0
+    return triton_program.enabled() and triton_program.build_error() is None and in_place(q, k, v, backward=grad)
 
 
 def in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> bool:
