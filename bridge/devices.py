@@ -1,4 +1,4 @@
-"""torch device <-> JAX device mapping (cuda:N is the JAX GPU with local hardware id N)."""
+"""torch device <-> JAX device mapping (cuda:N is the JAX GPU with local hardware id N), and device facts."""
 
 from __future__ import annotations
 
@@ -40,3 +40,15 @@ def to_torch_device(device: jax.Device) -> torch.device:
     if device.platform in ("gpu", "cuda", "rocm"):
         return torch.device("cuda", device.local_hardware_id)
     raise TypeError(f"JAX device {device} ({device.platform}) has no torch equivalent.")
+
+
+@functools.lru_cache(maxsize=None)  # asked per launch; a device's multiprocessors are fixed
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device, default: int) -> int:
+    """Multiprocessors (SMs) of a CUDA device; `default` off CUDA (kernels under an interpreter)."""
+    if device.type != "cuda":
+        return default
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())

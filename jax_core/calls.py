@@ -14,6 +14,7 @@ randomness from it.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +179,17 @@ HOPPER_TILES = dict(
 )
 
 
+#: Programs per multiprocessor of the Hopper forward's persistent grid (0: one program per tile). One
+#: program fills a multiprocessor: three warpgroups, the compute ones at 232 registers a thread.
+HOPPER_FORWARD_PROGRAMS_PER_SM = 1
+
+
+def hopper_forward_programs(multiprocessors: int) -> Optional[int]:
+    """`programs` of the Hopper forward on a GPU with `multiprocessors` SMs: a persistent grid whose
+    programs walk tiles in turn, loading the next while they store the last (None: one per tile)."""
+    return multiprocessors * HOPPER_FORWARD_PROGRAMS_PER_SM or None
+
+
 #: Fewest programs the Hopper backward's grid gets, per head dim, where the GQA group allows. One
 #: program per (KV head, 128 keys) walks every query head of its group, so with few KV heads the grid
 #: is short and its longest causal walks leave multiprocessors idle. Head dim 128 (H100, causal, (1,
@@ -214,13 +226,14 @@ def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool) -> tupl
 
 
 def flash_hopper(query, key, value, sinks=None, *, scale, causal, diag_offset, window=None, softcap=None,
-                 kv_len=None):
+                 kv_len=None, programs=None):
     """(out (B, L, Hq, D), lse (B, Hq, L) float32, the sinks' logits included) on whole tiles; padded
-    query rows are computed too. `sinks`: None or (Hq,) float32, one logit per query head."""
+    query rows are computed too. `sinks`: None or (Hq,) float32, one logit per query head.
+    `programs`: None (one program per tile) or the persistent grid's size (`flash_forward_mgpu`)."""
     from .kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
     return flash_forward_mgpu_tiles(query, key, value, scale=scale, causal=causal, diag_offset=diag_offset,
-                                    window=window, softcap=softcap, kv_len=kv_len, sinks=sinks,
+                                    window=window, softcap=softcap, kv_len=kv_len, sinks=sinks, programs=programs,
                                     **HOPPER_TILES["forward"][query.shape[-1]])
 
 

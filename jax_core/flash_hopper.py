@@ -68,9 +68,18 @@ def _attention(q, k, v, sinks, settings: _Settings):
 
 
 def _forward(q, k, v, sinks, settings: _Settings):
+    from .calls import hopper_forward_programs
     from .kernels.flash_fwd_mgpu import flash_forward_mgpu
 
-    return flash_forward_mgpu(q, k, v, sinks=sinks, **settings.kernel_keywords(q.shape[-1], "forward"))
+    # On the GPU a persistent grid; interpreted, one program per tile.
+    programs = None if settings.interpret is not None else hopper_forward_programs(_multiprocessors())
+    return flash_forward_mgpu(q, k, v, sinks=sinks, programs=programs,
+                              **settings.kernel_keywords(q.shape[-1], "forward"))
+
+
+def _multiprocessors() -> int:
+    """SMs of JAX's first device (0 where it does not say)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 0)
 
 
 def _vjp_forward(q, k, v, sinks, settings: _Settings):

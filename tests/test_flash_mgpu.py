@@ -97,7 +97,7 @@ def test_against_float64_oracle(b, l, s, hq, hk, d, causal, alignment, block_kv,
 
 
 def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
-                  block_kv=64, stages=2, dtype=jnp.float16, d=64):
+                  block_kv=64, stages=2, dtype=jnp.float16, d=64, programs=None):
     """Runs the kernel on fresh inputs with the features given and checks it against the oracle;
     returns the rows that see no key."""
     rng = np.random.default_rng()
@@ -106,7 +106,7 @@ def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window
     scale = 0.8 / d ** 0.5
     diag_offset = s - l if alignment == "bottom_right" else 0
     out, lse = _run(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
-                    sinks=sink_logits, block_kv=block_kv, stages=stages)
+                    sinks=sink_logits, block_kv=block_kv, stages=stages, programs=programs)
     assert out.shape == (b, l, hq, d) and lse.shape == (b, hq, l)
     return _check(q, k, v, out, lse, scale=scale, causal=causal, alignment=alignment, window=window,
                   softcap=softcap, sinks=sink_logits)
@@ -146,6 +146,25 @@ FEATURE_CASES = [
 def test_features_against_float64_oracle(b, l, s, hq, hk, kw, request):
     empty = _feature_case(b, l, s, hq, hk, **kw)
     assert empty.any() == request.node.callspec.id.endswith("-empty")  # the empty-row cases have some
+
+
+# A persistent grid: fewer programs than tiles, each walking several in turn (the ring's slots and the
+# two Q/O slots carried from tile to tile, tiles of different walk lengths, tiles with no key block).
+PERSISTENT_CASES = [
+    pytest.param(2, 256, 256, 4, 2, dict(causal=True, programs=3), id="causal-gqa-16-tiles-3-programs"),
+    pytest.param(2, 200, 70, 2, 2, dict(causal=True, alignment="bottom_right", programs=1),
+                 id="causal-br-8-tiles-1-program-empty"),
+    pytest.param(1, 97, 130, 2, 1, dict(stages=3, programs=1), id="stages3-2-tiles-1-program"),
+    pytest.param(1, 150, 230, 4, 2, dict(window=(24, 8), softcap=4.0, sinks=True, causal=True,
+                                          alignment="bottom_right", dtype=jnp.bfloat16, programs=3),
+                 id="all-features-8-tiles-3-programs"),
+]
+
+
+@pytest.mark.parametrize("b, l, s, hq, hk, kw", PERSISTENT_CASES)
+def test_persistent_grid_against_float64_oracle(b, l, s, hq, hk, kw, request):
+    empty = _feature_case(b, l, s, hq, hk, **kw)
+    assert empty.any() == request.node.callspec.id.endswith("-empty")
 
 
 @pytest.mark.thorough

@@ -38,6 +38,7 @@ import torch
 
 from ..bridge import triton_program
 from ..bridge.compile_hints import assume_constant_result
+from ..bridge.devices import multiprocessors
 from ..bridge.mosaic_launch import MosaicKernel, mosaic_reasons
 from ..bridge.mosaic_op import MosaicOp
 from ..bridge.triton_launch import KernelLaunch
@@ -68,10 +69,15 @@ HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
 #: forward + backward, Hopper / Triton / torch cuDNN, us (BENCHMARKS.md "Compiled programs for the
 #: Hopper path"): 546 / 576 / 503 at (16, 16, 1024, 64), 475 / 493 / 412 at (8, 16, 1024, 128), 674 /
 #: 785 / 632 at (4, 16, 2048, 128); forward alone 150 / 126 at (16, 16, 1024, 64) and 223 / 208 at
-#: (8, 16, 2048, 64) (Triton faster: head dim 64 keeps 4096), 103 / 125 at (8, 16, 1024, 128).
-HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 4096, 128: 1024}, train={64: 1024, 128: 1024})
+#: (8, 16, 2048, 64), 103 / 125 at (8, 16, 1024, 128). With the forward's persistent grid (BENCHMARKS.md
+#: "A persistent grid for the Hopper forward"), head dim 64 forward: 195-201 / 218 us at (8, 16, 2048,
+#: 64), 128-133 / 132 at (16, 16, 1024, 64) (even: 2048 it is).
+HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 2048, 128: 1024}, train={64: 1024, 128: 1024})
 #: Smaller calls are host-bound on either path, and the Triton path's host time is the shorter.
 HOPPER_MIN_PAIRS_PROGRAM = 8 * 16 * 1024 * 1024
+#: Multiprocessors the interpreted kernels (CPU tensors, tests) take: a few, so that programs walk
+#: several tiles there too.
+HOPPER_INTERPRETED_SMS = 3
 _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
@@ -201,6 +207,15 @@ def _static(cfg: FlashConfig, kv_len: int) -> dict:
                 softcap=None if cfg.softcap is None else float(cfg.softcap), kv_len=int(kv_len))
 
 
+def forward_programs(device: torch.device) -> Optional[int]:
+    """The forward's persistent grid on `device` (`calls.hopper_forward_programs`)."""
+    return calls.hopper_forward_programs(multiprocessors(device, HOPPER_INTERPRETED_SMS))
+
+
+def _forward_static(cfg: FlashConfig, kv_len: int, device: torch.device) -> dict:
+    return dict(_static(cfg, kv_len), programs=forward_programs(device))
+
+
 def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient; `sinks`: None or (Hq,) float logits,
     one per query head, in each row's softmax normaliser (and so in the LSE)."""
@@ -210,7 +225,7 @@ def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = No
     if sinks is not None:  # folded: the kernels' batch is (B, H) pairs, one sink each
         sinks = sinks.detach().float()
         sinks = (sinks.repeat(q.shape[0]).view(-1, 1) if folded else sinks.contiguous(),)
-    out, lse = _FORWARD(kq, kk, kv, *(sinks or ()), **_static(cfg, s))
+    out, lse = _FORWARD(kq, kk, kv, *(sinks or ()), **_forward_static(cfg, s, q.device))
     return _torch_view(out, q, folded), lse.view(*q.shape[:2], rows)[..., :l]
 
 

@@ -139,7 +139,7 @@ def _register(q, k, v, cfg: FlashConfig, saved: Optional[tuple]) -> Optional[int
     Python path's out and lse of a call just run); None where a launch cannot run compiled."""
     l, s = q.shape[2], k.shape[2]
     (kq, kk, kv), folded = _hopper._kernel_views((q, k, v), (l, s, s))
-    static = _hopper._static(cfg, s)
+    static = _hopper._forward_static(cfg, s, q.device)
     forward = _hopper._FORWARD.host_launch(_meta(kq, kk, kv), static)
     if forward is None:
         return None

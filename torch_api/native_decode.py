@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd import forward_ad
 
+from ..bridge.devices import multiprocessors
 from ..bridge.triton_autograd import TritonOp, cached_hash
 from ..bridge.triton_launch import KernelLaunch, can_launch, optional, traced
 from ..jax_core.kernels.decode_plan import (DEFAULT_SMS, DecodeCall, DecodeConfig, cache_dims, cache_order,
@@ -177,18 +178,9 @@ def _out_buffer(q: torch.Tensor, dv: int, bthd: bool) -> torch.Tensor:
     return torch.empty_strided((b, hq, t, dv), _out_strides(b, hq, t, dv, bthd), dtype=q.dtype, device=q.device)
 
 
-_SMS: dict = {}
-
-
 def device_sms(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (`DEFAULT_SMS` off CUDA: the interpreter)."""
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    found = _SMS.get(index)
-    if found is None:
-        found = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return found
+    return multiprocessors(device, DEFAULT_SMS)
 
 
 def _alibi_stride(alibi: Optional[torch.Tensor]) -> Optional[int]:

@@ -9,13 +9,20 @@ Arrays, (batch, length, heads, head dim) as Mosaic GPU's TMA wants them:
     reads KV head h // (Hq // Hk) (GQA). Returns out (B, L, Hq, D) in q's dtype and lse (B, Hq, L)
     float32, natural log. A row that sees no key gives out 0 and lse -inf (the sink's logit with sinks).
 
-One program (a CUDA block of three warpgroups) owns 2 * block_q query rows of one head:
-    * warpgroup 2 (memory) issues TMA copies of K and V blocks into a ring of `stages` shared-memory
-      slots; `*_ready` barriers say a slot is filled, `*_free` barriers (two arrivals, one per compute
-      warpgroup) say both have read it.
+The work is tiles of 2 * block_q query rows of one head. One program (a CUDA block of three
+warpgroups) walks one tile, or, with `programs` (a persistent grid, one program per multiprocessor),
+several in turn (`_Tiles` deals them):
+    * warpgroup 2 (memory) issues TMA copies of each tile's Q and of its K and V blocks into a ring
+      of `stages` shared-memory slots; `*_ready` barriers say a slot is filled, `*_free` barriers
+      (two arrivals, one per compute warpgroup) say both have read it. The ring runs on from tile
+      to tile, and Q has two slots per warpgroup: the next tile's Q and first key blocks load while
+      the compute warpgroups finish the last tile and store its output, which one program per tile
+      leaves exposed (a tile's walk is short at 1-4k tokens: 1.1-1.15x at those lengths, H200).
     * warpgroups 0 and 1 (compute) own block_q rows each: wgmma S = Q K^T, online softmax in
       registers (exp2, scale * log2(e) folded into one multiply), wgmma O += P V. A shared
       `turn` barrier makes them alternate, so one warpgroup's softmax overlaps the other's matmuls.
+      O is written over the tile's Q slot and stored by TMA without waiting; the store must have
+      read the slot before the memory warpgroup loads Q two tiles on (`free_next_slot`).
 
 Features, all compiled in (none of them costs anything when unused):
     * causal and sliding window `window=(left, right)` (-1: unbounded side): query row i sees keys
@@ -40,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
-from .flash_mgpu_checks import check_arrays, check_features, check_tiling, check_whole_tiles
+from .flash_mgpu_checks import check_arrays, check_blocks, check_features, check_tiling, check_whole_tiles
 
 LOG2E = math.log2(math.e)
 # The running max starts finite: a fully masked block (all scores -inf) then gives exp2(-inf) = 0
@@ -124,92 +132,160 @@ def _mask(s, i, rows, band, *, on_gpu):
     return s
 
 
-def _program(*refs, scale, band, softcap, has_sinks, stages, num_q_programs, group, interpret):
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """The work: one tile per (batch, query head, 2 * block_q query rows), walked by `programs`
+    programs (a persistent grid, one per multiprocessor, or one program per tile).
+
+    Tiles are numbered query block by query block, the last rows (the longest causal walks) first,
+    and dealt in waves of `programs`, each wave in the opposite direction of the last: a program
+    that took one of the longest tiles of a wave takes one of the shortest of the next, so that the
+    programs' totals stay level (dealt in one direction, the first program would take the longest
+    tile of every wave: about 10% more work than the last at (1, 16, 16384) causal)."""
+    batch: int
+    heads: int
+    q_blocks: int
+    rows: int  # query rows per tile
+    programs: int
+
+    @property
+    def total(self):
+        return self.batch * self.heads * self.q_blocks
+
+    @property
+    def per_program(self):
+        """The most tiles one program walks."""
+        return pl.cdiv(self.total, self.programs)
+
+    def _position(self, program, wave):
+        """`program`'s place in a wave: its index in even waves, counted from the end in odd ones."""
+        return jnp.where(lax.rem(wave, 2) == 0, program, (self.programs - 1) - program)
+
+    def count(self, program):
+        """How many tiles `program` walks: one per whole wave, and one of the last, partial wave if
+        its place there is among the tiles left."""
+        waves, left = divmod(self.total, self.programs)
+        return jnp.int32(waves) + (self._position(program, jnp.int32(waves)) < left).astype(jnp.int32)
+
+    def at(self, program, j):
+        """(batch, head, first row) of `program`'s j-th tile (in wave j)."""
+        t = j * self.programs + self._position(program, j)
+        pairs = jnp.int32(self.batch * self.heads)
+        q_block = (self.q_blocks - 1) - lax.div(t, pairs)
+        pair = lax.rem(t, pairs)
+        return lax.div(pair, jnp.int32(self.heads)), lax.rem(pair, jnp.int32(self.heads)), q_block * self.rows
+
+
+def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, interpret):
     q_ref, k_ref, v_ref = refs[:3]
     sinks_ref = refs[3] if has_sinks else None
     out_ref, lse_ref = refs[-2:]
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
     block_q, block_kv = band.block_q, band.block_kv
+    # A program walking several tiles loads the next tile's Q into a second slot while its last tile's
+    # O (written over that tile's Q) is still being stored.
+    q_slots = min(2, tiles.per_program)
     # 128-byte rows (64 16-bit elements) in 128-byte swizzled tiles: the layout TMA writes and
     # wgmma reads without bank conflicts.
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
-        plgpu.SMEM((COMPUTE_WGS, block_q, d), dtype, transforms=transforms),  # Q, then O
+        plgpu.SMEM((COMPUTE_WGS, q_slots, block_q, d), dtype, transforms=transforms),  # Q, then O
         plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),  # K ring
         plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),  # V ring
-        plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),  # LSE rows
+        plgpu.SMEM((COMPUTE_WGS, q_slots, block_q), jnp.float32),  # LSE rows
     )
     barriers = dict(
-        q_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        q_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS * q_slots),
+        q_free=plgpu.Barrier(num_barriers=COMPUTE_WGS * q_slots),
         k_ready=plgpu.Barrier(num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
         turn=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     )
-    cfg = dict(scale=scale, band=band, softcap=softcap, stages=stages, num_q_programs=num_q_programs,
-               group=group, interpret=interpret)
+    cfg = dict(scale=scale, band=band, softcap=softcap, stages=stages, tiles=tiles, group=group, interpret=interpret)
     # Allocated once for the three warpgroups together (collective over "wg").
     pl.run_scoped(
         lambda bufs, bars: _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, **cfg),
         smem, barriers, collective_axes="wg")
 
 
+def _program_blocks(program_rows, band):
+    """[start, end): the key blocks of a tile, from warpgroup 0's first to warpgroup 1's last (their
+    rows come later). The memory warpgroup loads all of them; each compute warpgroup releases the
+    slots of those it does not need."""
+    end = _kv_end(program_rows + COMPUTE_WGS * band.block_q, band)
+    start = 0 if band.left is None else _kv_start(program_rows, _kv_end(program_rows + band.block_q, band), band)
+    return jnp.int32(start), end
+
+
 def _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, *, scale, band, softcap,
-                stages, num_q_programs, group, interpret):
-    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    block_q = band.block_q
-    # Longest causal rows first: the last programs to start are then the short ones.
-    q_block = num_q_programs - 1 - lax.axis_index("q_blocks")
-    program_rows = q_block * (COMPUTE_WGS * block_q)
-    # The program's key blocks: from warpgroup 0's first to warpgroup 1's last (their rows come
-    # later). The memory warpgroup loads all of them; each compute warpgroup releases the slots of
-    # those it does not need.
-    program_end = _kv_end(program_rows + COMPUTE_WGS * block_q, band)
-    program_start = (0 if band.left is None else
-                     _kv_start(program_rows, _kv_end(program_rows + block_q, band), band))
+                stages, tiles, group, interpret):
+    program, wg = lax.axis_index("programs"), lax.axis_index("wg")
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
         # Registers moved from the memory warpgroup to the compute ones (Hopper's setmaxnreg).
         plgpu.set_max_registers(232, action="increase")
-        _compute(q_ref, sinks_ref, out_ref, lse_ref, bufs, bars, batch=batch, head=head, wg=wg,
-                 rows=program_rows + wg * block_q, program_start=program_start, program_end=program_end,
-                 scale=scale, band=band, softcap=softcap, stages=stages, interpret=interpret)
+        _compute(sinks_ref, out_ref, lse_ref, bufs, bars, program=program, wg=wg, tiles=tiles, scale=scale,
+                 band=band, softcap=softcap, stages=stages, interpret=interpret)
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        _memory(k_ref, v_ref, bufs, bars, batch=batch, kv_head=lax.div(head, jnp.int32(group)),
-                program_start=program_start, program_end=program_end, block_kv=band.block_kv, stages=stages)
+        _memory(q_ref, k_ref, v_ref, bufs, bars, program=program, tiles=tiles, band=band, group=group,
+                stages=stages)
 
 
-def _memory(k_ref, v_ref, bufs, bars, *, batch, kv_head, program_start, program_end, block_kv, stages):
-    _, k_smem, v_smem, _ = bufs
+def _memory(q_ref, k_ref, v_ref, bufs, bars, *, program, tiles, band, group, stages):
+    q_smem, k_smem, v_smem, _ = bufs
+    q_slots = q_smem.shape[1]
+    block_q, block_kv = band.block_q, band.block_kv
 
-    # Block `step` goes to slot step % stages; the ring's first round (from program_start) finds
-    # every slot free.
-    @pl.loop(program_start, program_end)
-    def _(step):
-        slot = lax.rem(step, jnp.int32(stages))
-        keys = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+    def tile(j, loaded):
+        """Loads the j-th tile's Q and its key blocks; `loaded` counts the key blocks before it (block
+        number `loaded` goes to slot loaded % stages, so the ring's first round finds every slot free)."""
+        batch, head, program_rows = tiles.at(program, j)
+        q_slot = lax.rem(j, q_slots)
 
-        @pl.when(step >= program_start + stages)  # the slot's previous block must have been read by both
-        def _():
-            plgpu.barrier_wait(bars["k_free"].at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], bars["k_ready"].at[slot])
+        @pl.loop(0, COMPUTE_WGS)
+        def _(w):
+            barrier = w * q_slots + q_slot
 
-        @pl.when(step >= program_start + stages)
-        def _():
-            plgpu.barrier_wait(bars["v_free"].at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], bars["v_ready"].at[slot])
+            @pl.when(j >= q_slots)  # the slot's previous tile's O has been stored (see `_compute`)
+            def _():
+                plgpu.barrier_wait(bars["q_free"].at[barrier])
+            rows = pl.ds(program_rows + w * block_q, block_q)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[w, q_slot], bars["q_ready"].at[barrier])
+
+        kv_head = lax.div(head, jnp.int32(group))
+
+        def kv(i, n):
+            slot = lax.rem(n, jnp.int32(stages))
+            keys = (batch, pl.ds(i * block_kv, block_kv), kv_head)
+
+            @pl.when(n >= stages)  # the slot's previous block must have been read by both
+            def _():
+                plgpu.barrier_wait(bars["k_free"].at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], bars["k_ready"].at[slot])
+
+            @pl.when(n >= stages)
+            def _():
+                plgpu.barrier_wait(bars["v_free"].at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], bars["v_ready"].at[slot])
+            return n + 1
+
+        start, end = _program_blocks(program_rows, band)
+        return lax.fori_loop(start, end, kv, loaded)
+
+    loaded = lax.fori_loop(0, tiles.count(program), tile, jnp.int32(0))
 
     # Observe the last releases too, so that every barrier phase is consumed before the barriers
     # go away (cheap: the compute warpgroups are finishing these blocks anyway).
-    @pl.loop(jnp.maximum(program_end - stages, program_start), program_end)
-    def _(step):
-        slot = lax.rem(step, jnp.int32(stages))
+    @pl.loop(jnp.maximum(loaded - stages, 0), loaded)
+    def _(n):
+        slot = lax.rem(n, jnp.int32(stages))
         plgpu.barrier_wait(bars["k_free"].at[slot])
         plgpu.barrier_wait(bars["v_free"].at[slot])
 
@@ -227,35 +303,56 @@ def _pad_rows(x, length):
     return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
 
 
+def _tiles(q_shape, block_q, programs):
+    """The `_Tiles` of q (B, L', Hq, D) on whole tiles; `programs`: None (one program per tile) or a
+    positive int (at most one per tile is used)."""
+    b, l, hq, _ = q_shape
+    rows = COMPUTE_WGS * block_q
+    total = b * hq * pl.cdiv(l, rows)
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, numbers.Integral)
+                                 or programs < 1):
+        raise ValueError(f"programs={programs!r}: expected None (one program per tile) or a positive int; "
+                         "hint: the GPU's multiprocessor count makes the grid persistent")
+    return _Tiles(batch=b, heads=hq, q_blocks=pl.cdiv(l, rows), rows=rows,
+                  programs=total if programs is None else min(int(programs), total))
+
+
 def _checked_band(q, k, v, *, scale, causal, diag_offset, window, softcap, sinks, block_q, block_kv, stages,
-                  per_batch_sinks=False):
-    """The checked arguments' band, all keys (kv_len = S) real."""
+                  programs, per_batch_sinks=False):
+    """(the checked arguments' band, all keys (kv_len = S) real, and their `_Tiles`)."""
     check_arrays(q, k, v)
-    check_tiling(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q, block_kv, stages)
+    check_blocks(block_q, block_kv, stages)
+    tiles = _tiles(q.shape, block_q, programs)
+    check_tiling(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q, block_kv, stages,
+                 q_slots=min(2, tiles.per_program))
     check_features(q.shape[2], scale=scale, diag_offset=diag_offset, window=window, softcap=softcap,
                    sinks=sinks, batch=q.shape[0] if per_batch_sinks else None)
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
-    return _Band(diag_offset=int(diag_offset), left=None if left < 0 else int(left),
+    band = _Band(diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                  right=None if right < 0 else int(right), kv_len=k.shape[1], block_q=block_q, block_kv=block_kv)
+    return band, tiles
 
 
 def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, block_kv=128, stages=2,
-                       window=None, softcap=None, sinks=None, interpret=None):
+                       window=None, softcap=None, sinks=None, programs=None, interpret=None):
     """(out, lse) of softmax(scale * q k^T [causal, window, soft cap, sinks]) v, any L, S >= 1; see
     the module docstring for layouts and features.
 
     Pads q, k, v to whole tiles (no copy when they are whole already), runs the kernel and slices
     the padded rows off: with whole tiles this is one Mosaic GPU kernel call and nothing else.
     `window`: (left, right), -1 unbounded, or None. `softcap`: float or None. `sinks`: (Hq,) float32
-    or None. `interpret`: Mosaic GPU interpret-mode parameters (`InterpretGPUParams`) to run on a
-    CPU, or None to compile for the GPU."""
-    band = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
-                         softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages)
+    or None. `programs`: None for one program per tile of 2 * block_q query rows, or the size of a
+    persistent grid (the GPU's multiprocessor count) whose programs walk the tiles in turn, each
+    loading its next tile while it finishes the last. `interpret`: Mosaic GPU interpret-mode
+    parameters (`InterpretGPUParams`) to run on a CPU, or None to compile for the GPU."""
     l, s = q.shape[1], k.shape[1]
     rows, keys = padded_lengths(l, s, block_q=block_q, block_kv=block_kv)
-    out, lse = _launch(_pad_rows(q, rows), _pad_rows(k, keys), _pad_rows(v, keys), sinks, band=band,
+    band, tiles = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
+                                softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages,
+                                programs=programs)
+    out, lse = _launch(_pad_rows(q, rows), _pad_rows(k, keys), _pad_rows(v, keys), sinks, band=band, tiles=tiles,
                        scale=scale, softcap=softcap, stages=stages, interpret=interpret)
     if rows != l:
         out, lse = out[:, :l], lse[:, :, :l]
@@ -263,34 +360,34 @@ def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, blo
 
 
 def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset=0, block_q=64, block_kv=128,
-                             stages=2, window=None, softcap=None, sinks=None, interpret=None):
+                             stages=2, window=None, softcap=None, sinks=None, programs=None, interpret=None):
     """`flash_forward_mgpu` on whole tiles: L a multiple of 2 * block_q, S of block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding, padded query rows
     computed like the others. Padding must be finite (zeros, say): a masked key's weight is 0, and
     0 * NaN is NaN. One Mosaic GPU kernel call and nothing else, so that `plgpu.as_torch_kernel`
     can launch a function that calls this on torch tensors."""
-    band = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
-                         softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages,
-                         per_batch_sinks=True)
+    band, tiles = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
+                                softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages,
+                                programs=programs, per_batch_sinks=True)
     kv_len = band.kv_len if kv_len is None else kv_len
     check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv)
-    return _launch(q, k, v, sinks, band=dataclasses.replace(band, kv_len=int(kv_len)), scale=scale,
+    return _launch(q, k, v, sinks, band=dataclasses.replace(band, kv_len=int(kv_len)), tiles=tiles, scale=scale,
                    softcap=softcap, stages=stages, interpret=interpret)
 
 
-def _launch(q, k, v, sinks, *, band, scale, softcap, stages, interpret):
+def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, interpret):
     """The kernel call on whole tiles (arguments checked)."""
     b, l, hq, d = q.shape
     hk = k.shape[2]
     body = functools.partial(
         _program, scale=float(scale), band=band, softcap=None if softcap is None else float(softcap),
-        has_sinks=sinks is not None, stages=min(stages, band.num_kv_blocks),
-        num_q_programs=l // (COMPUTE_WGS * band.block_q), group=hq // hk, interpret=interpret)
+        has_sinks=sinks is not None, stages=min(stages, band.num_kv_blocks), tiles=tiles, group=hq // hk,
+        interpret=interpret)
     call = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
-        grid=(hq, l // (COMPUTE_WGS * band.block_q), b),
-        grid_names=("heads", "q_blocks", "batch"),
+        grid=(tiles.programs,),
+        grid_names=("programs",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -339,98 +436,132 @@ def _accumulate_pv(acc, p, v_slot, *, in_place):
     return acc + lax.dot_general(p, v_slot[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _compute(q_ref, sinks_ref, out_ref, lse_ref, bufs, bars, *, batch, head, wg, rows, program_start,
-             program_end, scale, band, softcap, stages, interpret):
-    qo_smem, k_smem, v_smem, lse_smem = bufs
-    qo_smem, lse_smem = qo_smem.at[wg], lse_smem.at[wg]
+def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, scale, band, softcap, stages,
+             interpret):
+    q_all, k_smem, v_smem, lse_all = bufs
+    q_slots = q_all.shape[1]
     block_q = band.block_q
-    d = qo_smem.shape[-1]
-    dtype = qo_smem.dtype
+    d = q_all.shape[-1]
+    dtype = q_all.dtype
     # Log2 domain: the softmax runs on t * log2(e) * s for t = scale, or with a soft cap on
     # softcap * log2(e) * tanh(scale / softcap * s), so that exp2 needs one FMA per score.
     scale_log2 = (scale if softcap is None else softcap) * LOG2E
     on_gpu = interpret is None
+    count = tiles.count(program)
 
     def take_turn():
         plgpu.barrier_arrive(bars["turn"])
         plgpu.barrier_wait(bars["turn"])
 
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(rows, block_q), head], qo_smem, bars["q_ready"].at[wg])
-    plgpu.barrier_wait(bars["q_ready"].at[wg])
+    def tile(j, loaded):
+        """The j-th tile; `loaded` counts the key blocks of the earlier ones, as the memory warpgroup
+        does: block i of this tile sits in ring slot (loaded + i - program_start) % stages."""
+        batch, head, program_rows = tiles.at(program, j)
+        rows = program_rows + wg * block_q
+        q_slot = lax.rem(j, q_slots)
+        qo_smem, lse_smem = q_all.at[wg, q_slot], lse_all.at[wg, q_slot]
+        program_start, program_end = _program_blocks(program_rows, band)
+        # This warpgroup's key blocks [start, end) of the tile's [program_start, program_end).
+        end = _kv_end(rows + block_q, band)
+        start = _kv_start(rows, end, band)
+        full_start, full_end = _full_blocks(rows, start, end, band)
 
-    # This warpgroup's key blocks [start, end) of the program's [program_start, program_end).
-    end = _kv_end(rows + block_q, band)
-    start = _kv_start(rows, end, band)
-    full_start, full_end = _full_blocks(rows, start, end, band)
+        def free_next_slot():
+            """Once the last tile's O and LSE stores have read their slot, the memory warpgroup may load
+            the next tile's Q there. Done at the end of this tile's first key block, not at its start:
+            the stores, issued just before, then have had a block's products to read."""
+            if q_slots == 1:
+                return
 
-    def kv_step(i, carry, *, masked):
+            @pl.when((j >= 1) & (j + 1 < count))
+            def _():
+                if on_gpu:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(bars["q_free"].at[wg * q_slots + lax.rem(j + 1, q_slots)])
+
+        def ring_slot(i):
+            return lax.rem(loaded + (i - program_start), jnp.int32(stages))
+
+        def kv_step(i, carry, *, masked):
+            acc, m, l = carry
+            slot = ring_slot(i)
+            plgpu.barrier_wait(bars["k_ready"].at[slot])
+
+            # take_turn once the matmul is issued: the other warpgroup may then issue its own.
+            s = _scores(qo_smem, k_smem.at[slot], take_turn, on_gpu=on_gpu)
+            plgpu.barrier_arrive(bars["k_free"].at[slot])
+            if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
+                s = jnp.tanh(s * (scale / softcap))
+            if masked:
+                s = _mask(s, i, rows, band, on_gpu=on_gpu)
+            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            # Finish the softmax before handing the tensor cores over, rather than letting the compiler
+            # sink part of it past the barrier into the other warpgroup's turn.
+            acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
+            plgpu.barrier_arrive(bars["turn"])
+            plgpu.barrier_wait(bars["v_ready"].at[slot])
+            plgpu.barrier_wait(bars["turn"])
+
+            acc = _accumulate_pv(acc, p16, v_smem.at[slot], in_place=on_gpu)
+            plgpu.barrier_arrive(bars["v_free"].at[slot])
+            pl.when(i == program_start)(free_next_slot)
+            return acc, m_new, l
+
+        def release(i, _):
+            """A block of the tile this warpgroup does not need: free its slot, keep the turns."""
+            slot = ring_slot(i)
+            plgpu.barrier_wait(bars["k_ready"].at[slot])
+            plgpu.barrier_arrive(bars["k_free"].at[slot])
+            plgpu.barrier_wait(bars["v_ready"].at[slot])
+            plgpu.barrier_arrive(bars["v_free"].at[slot])
+            take_turn()
+            take_turn()
+            pl.when(i == program_start)(free_next_slot)
+
+        plgpu.barrier_wait(bars["q_ready"].at[wg * q_slots + q_slot])
+        acc = _wgmma_layout(jnp.zeros((block_q, d), jnp.float32), on_gpu=on_gpu)
+        m = _wgmma_layout(jnp.full((block_q,), M_FLOOR, jnp.float32), on_gpu=on_gpu)
+        l = _wgmma_layout(jnp.zeros((block_q,), jnp.float32), on_gpu=on_gpu)
+        if sinks_ref is not None:
+            # The sink is one more logit with no value: the running max and sum start from it (a -inf
+            # sink leaves them at M_FLOOR and 0).
+            sink = (sinks_ref[head] if len(sinks_ref.shape) == 1 else sinks_ref[batch, head]) * LOG2E
+            m = jnp.maximum(m, sink)
+            l = jnp.exp2(sink - m)
+        # Warpgroup 1 starts one turn behind, so the two alternate: QK of one during softmax of the
+        # other; warpgroup 0 ends one turn later. The turns are balanced within each tile (a tile
+        # without key blocks takes none otherwise, so they cannot wait on another tile's).
+        pl.when(wg == 1)(take_turn)
+        carry = (acc, m, l)
+        if band.left is not None:
+            lax.fori_loop(program_start, start, release, None)
+            carry = lax.fori_loop(start, full_start, functools.partial(kv_step, masked=True), carry)
+        carry = lax.fori_loop(full_start, full_end, functools.partial(kv_step, masked=False), carry)
+        if band.right is not None or band.ragged_end:
+            carry = lax.fori_loop(full_end, end, functools.partial(kv_step, masked=True), carry)
+        if band.right is not None:
+            lax.fori_loop(end, program_end, release, None)
+        pl.when(program_start == program_end)(free_next_slot)  # a tile with no key blocks
+        pl.when(wg == 0)(take_turn)
         acc, m, l = carry
-        slot = lax.rem(i, jnp.int32(stages))
-        plgpu.barrier_wait(bars["k_ready"].at[slot])
 
-        # take_turn once the matmul is issued: the other warpgroup may then issue its own.
-        s = _scores(qo_smem, k_smem.at[slot], take_turn, on_gpu=on_gpu)
-        plgpu.barrier_arrive(bars["k_free"].at[slot])
-        if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
-            s = jnp.tanh(s * (scale / softcap))
-        if masked:
-            s = _mask(s, i, rows, band, on_gpu=on_gpu)
-        m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(dtype)
-        # Finish the softmax before handing the tensor cores over, rather than letting the compiler
-        # sink part of it past the barrier into the other warpgroup's turn.
-        acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
-        plgpu.barrier_arrive(bars["turn"])
-        plgpu.barrier_wait(bars["v_ready"].at[slot])
-        plgpu.barrier_wait(bars["turn"])
+        # l >= 1 for a row that saw a key or has a sink (its max contributes exp2(0)); l = 0 (acc = 0)
+        # for one that saw neither, which max(l, 1) turns into out = 0, and log(0) into lse = -inf.
+        acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1.0), acc.shape, [0])
+        qo_smem[...] = acc.astype(dtype)
+        lse_smem[...] = m * math.log(2.0) + jnp.log(l)
+        plgpu.commit_smem()
+        # Not waited for here: the next tile's first step does (`free_next_slot`), and the kernel's end.
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(rows, block_q), head])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(rows, block_q)])
+        if not on_gpu:
+            plgpu.wait_smem_to_gmem(0)
+        return loaded + (program_end - program_start)
 
-        acc = _accumulate_pv(acc, p16, v_smem.at[slot], in_place=on_gpu)
-        plgpu.barrier_arrive(bars["v_free"].at[slot])
-        return acc, m_new, l
-
-    def release(i, _):
-        """A block of the program this warpgroup does not need: free its slot, keep the turns."""
-        slot = lax.rem(i, jnp.int32(stages))
-        plgpu.barrier_wait(bars["k_ready"].at[slot])
-        plgpu.barrier_arrive(bars["k_free"].at[slot])
-        plgpu.barrier_wait(bars["v_ready"].at[slot])
-        plgpu.barrier_arrive(bars["v_free"].at[slot])
-        take_turn()
-        take_turn()
-
-    acc = _wgmma_layout(jnp.zeros((block_q, d), jnp.float32), on_gpu=on_gpu)
-    m = _wgmma_layout(jnp.full((block_q,), M_FLOOR, jnp.float32), on_gpu=on_gpu)
-    l = _wgmma_layout(jnp.zeros((block_q,), jnp.float32), on_gpu=on_gpu)
-    if sinks_ref is not None:
-        # The sink is one more logit with no value: the running max and sum start from it (a -inf
-        # sink leaves them at M_FLOOR and 0).
-        sink = (sinks_ref[head] if len(sinks_ref.shape) == 1 else sinks_ref[batch, head]) * LOG2E
-        m = jnp.maximum(m, sink)
-        l = jnp.exp2(sink - m)
-    # Warpgroup 1 starts one turn behind, so the two alternate: QK of one during softmax of the other.
-    pl.when(wg == 1)(take_turn)
-    carry = (acc, m, l)
-    if band.left is not None:
-        lax.fori_loop(program_start, start, release, None)
-        carry = lax.fori_loop(start, full_start, functools.partial(kv_step, masked=True), carry)
-    carry = lax.fori_loop(full_start, full_end, functools.partial(kv_step, masked=False), carry)
-    if band.right is not None or band.ragged_end:
-        carry = lax.fori_loop(full_end, end, functools.partial(kv_step, masked=True), carry)
-    if band.right is not None:
-        lax.fori_loop(end, program_end, release, None)
-    acc, m, l = carry
-    pl.when(wg == 0)(take_turn)
-
-    # l >= 1 for a row that saw a key or has a sink (its max contributes exp2(0)); l = 0 (acc = 0)
-    # for one that saw neither, which max(l, 1) turns into out = 0, and log(0) into lse = -inf.
-    acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1.0), acc.shape, [0])
-    qo_smem[...] = acc.astype(dtype)
-    lse_smem[...] = m * math.log(2.0) + jnp.log(l)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(rows, block_q), head])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(rows, block_q)])
+    lax.fori_loop(0, count, tile, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)

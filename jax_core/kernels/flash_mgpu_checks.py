@@ -48,16 +48,18 @@ def check_blocks(block_q, block_kv, stages):
         raise ValueError(f"stages={stages}: expected at least 2 (one slot loading while one is read)")
 
 
-def check_tiling(d, itemsize, block_q, block_kv, stages):
-    """The forward's tile sizes, pipeline depth and the shared memory they take."""
+def check_tiling(d, itemsize, block_q, block_kv, stages, q_slots=1):
+    """The forward's tile sizes, pipeline depth and the shared memory they take, with `q_slots` Q/O
+    tiles per compute warpgroup (two where a program walks several tiles)."""
     check_blocks(block_q, block_kv, stages)
     # Q/O tiles and the K and V rings; barriers and Mosaic's own scratch take a few KiB more (an
     # H100 run of D=128, block_kv=128, stages=3: 229,888 bytes of buffers, 232,568 in all).
-    buffers = itemsize * (COMPUTE_WGS * block_q * d + 2 * stages * block_kv * d)
+    buffers = itemsize * (q_slots * COMPUTE_WGS * block_q * d + 2 * stages * block_kv * d)
     if buffers > SMEM_BYTES - SMEM_RESERVE:
         raise ValueError(f"stages={stages}, block_kv={block_kv}, head_dim={d}: {buffers} bytes of shared-memory "
                          f"buffers, expected at most {SMEM_BYTES - SMEM_RESERVE} (Hopper's {SMEM_BYTES} per block "
-                         f"less {SMEM_RESERVE} for barriers and scratch); hint: fewer stages or a smaller block_kv")
+                         f"less {SMEM_RESERVE} for barriers and scratch); hint: fewer stages or a smaller block_kv"
+                         + (", or one tile per program (programs=None)" if q_slots > 1 else ""))
 
 
 def check_whole_tiles(l, s, kv_len, block_q, block_kv, *, rows=None, keys=None, caller="flash_forward_mgpu"):
