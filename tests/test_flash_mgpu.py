@@ -232,6 +232,7 @@ LOWERING_CASES = [
     pytest.param(dict(causal=False, softcap=5.0), id="softcap"),
     pytest.param(dict(causal=False, sinks=True), id="sinks"),
     pytest.param(dict(causal=True, softcap=3.0, sinks=True, window=(9, 2)), id="all"),
+    pytest.param(dict(causal=True, softcap=3.0, sinks=True, window=(9, 2), programs=3), id="all-persistent"),
 ]
 
 
