@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 
 from .call import AttentionCall, CallArrays
@@ -214,3 +215,12 @@ def missing_gpu_packages() -> list[str]:
     """One reason per package of GPU_PACKAGES that is not installed, each with the install hint."""
     return [f"{package} is not installed ({GPU_EXTRA_HINT})" for module, package in GPU_PACKAGES
             if not has_module(module)]
+
+
+def device_multiprocessors(default: int) -> int:
+    """Multiprocessors (SMs) of JAX's first device; `default` where it does not say (a CPU, or no
+    backend)."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0) or 0) or default
+    except RuntimeError:
+        return default

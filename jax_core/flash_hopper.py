@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .base import AttentionImpl, AttentionOutput
 from .call import AttentionCall, CallArrays
-from .capabilities import AttentionInputs, Capabilities
+from .capabilities import AttentionInputs, Capabilities, device_multiprocessors
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
 
@@ -72,14 +72,9 @@ def _forward(q, k, v, sinks, settings: _Settings):
     from .kernels.flash_fwd_mgpu import flash_forward_mgpu
 
     # On the GPU a persistent grid; interpreted, one program per tile.
-    programs = None if settings.interpret is not None else hopper_forward_programs(_multiprocessors())
+    programs = None if settings.interpret is not None else hopper_forward_programs(device_multiprocessors(0))
     return flash_forward_mgpu(q, k, v, sinks=sinks, programs=programs,
                               **settings.kernel_keywords(q.shape[-1], "forward"))
-
-
-def _multiprocessors() -> int:
-    """SMs of JAX's first device (0 where it does not say)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 0)
 
 
 def _vjp_forward(q, k, v, sinks, settings: _Settings):

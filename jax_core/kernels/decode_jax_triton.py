@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from ..capabilities import device_multiprocessors
 from .decode_entries_triton import stream_entry, stream_merge_entry
 from .decode_plan import (CACHE_LAYOUTS, DEFAULT_SMS, STREAM_PROGRAMS_PER_SM, DecodeCall,  # noqa: F401 (re-exported)
                           DecodeConfig, cache_dims, cache_order, contiguous_strides, decode_tiles, default_min_share,
@@ -31,10 +32,7 @@ from .jax_triton_module import jax_triton
 
 def _device_sms() -> int:
     """Multiprocessors of JAX's first device (`DEFAULT_SMS` where it does not say)."""
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0)) or DEFAULT_SMS
-    except RuntimeError:
-        return DEFAULT_SMS
+    return device_multiprocessors(DEFAULT_SMS)
 
 
 def segment_offsets(lengths: jax.Array, starts: Optional[jax.Array], t: int, capacity: int, cfg: DecodeConfig,
