@@ -3,6 +3,9 @@ mode on the CPU (a GPU of another generation skips). Test modules import `MODE`,
 `fresh_interpreter` (an autouse fixture) and `interpret_params` from here.
 """
 
+import collections
+
+import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -36,6 +39,55 @@ def fresh_interpreter():
 def interpret_params():
     """The kernels' `interpret` argument: interpret-mode parameters on the CPU, None on the GPU."""
     return InterpretGPUParams() if MODE == "interpret" else None
+
+
+# XLA:CPU compile options for the interpreter's programs: LLVM without its optimisation passes and the
+# classic emitters, as conftest.py asks of every program in the quick suite. `--thorough` keeps XLA's
+# default code generation for what users run on a CPU; the interpreter is not that, and compiling its
+# programs is most of an interpreted kernel test's time (a thorough feature-grid case: 25-30 s with
+# default code generation, 7-10 s with these, on a 2-core machine).
+_CHEAP_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+_KEPT_EXECUTABLES = 64
+_EXECUTABLES = collections.OrderedDict()  # (body, argument types) -> its cheaply compiled executable
+_COMPILES = [0]  # how many bodies were compiled through it
+
+
+def _cheap_thread_compiles():
+    """The interpreter compiles each warpgroup's body as an XLA program of its own, inside a callback,
+    with the process's options (`_run_jaxpr` in jax/_src/pallas/mosaic/interpret/thread_map.py, jax
+    0.10-0.11). Replace that step with one that asks for cheap compiles and keeps the last executables
+    by body and argument types (the warpgroups and programs of a kernel share one). Where the private
+    function is not there (another JAX), the interpreter keeps its own compiles."""
+    try:
+        from jax import core as jax_core
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover - depends on the JAX release
+        return
+    if not callable(getattr(thread_map, "_run_jaxpr", None)) or getattr(thread_map, "_jaxattn_cheap", False):
+        return
+    executables = _EXECUTABLES
+
+    def body(jaxpr, consts, *args):
+        jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run_jaxpr(jaxpr, consts, *args):
+        key = (jaxpr, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves((consts, args))))
+        if key in executables:
+            executables.move_to_end(key)
+        else:
+            lowered = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower()
+            executables[key] = lowered.compile(compiler_options=_CHEAP_COMPILE)
+            _COMPILES[0] += 1
+            if len(executables) > _KEPT_EXECUTABLES:
+                executables.popitem(last=False)
+        executables[key](consts, *args)
+
+    thread_map._run_jaxpr = run_jaxpr
+    thread_map._jaxattn_cheap = True
+
+
+if MODE == "interpret":
+    _cheap_thread_compiles()
 
 
 def feature_grid():

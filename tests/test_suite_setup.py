@@ -9,6 +9,7 @@ import sys
 import conftest
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 
@@ -29,3 +30,23 @@ def test_cheap_compile_flags_reach_xla():
     assert known and set(known) <= set(flags)
     # XLA accepted them (it aborts the process on an unknown flag when its CPU backend starts)
     assert float(jax.jit(lambda x: jnp.exp(x).sum())(jnp.zeros(3))) == 3.0
+
+
+def test_interpreted_kernels_compile_cheaply():
+    """tests/mosaic_gpu_mode.py replaces the Mosaic GPU interpreter's per-warpgroup compile step with one
+    that asks for the cheap options, also under `--thorough`: an interpreted kernel compiles through it.
+    A JAX release without that step keeps its own (then this skips, and those tests only run slower)."""
+    mode = pytest.importorskip("mosaic_gpu_mode")
+    if mode.MODE != "interpret":
+        pytest.skip("the kernels are compiled for the GPU here, not interpreted")
+    from jax._src.pallas.mosaic.interpret import thread_map
+    if not getattr(thread_map, "_jaxattn_cheap", False):
+        pytest.skip("this JAX has no `thread_map._run_jaxpr` to replace")
+    from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu
+
+    before = mode._COMPILES[0]
+    q = jnp.asarray(np.random.default_rng().standard_normal((1, 3, 1, 64)), jnp.float16)  # one query block
+    out, _ = flash_forward_mgpu(q, q, q, scale=0.125, causal=True, block_kv=64, interpret=mode.interpret_params())
+    assert out.shape == q.shape
+    assert mode._COMPILES[0] > before, "the interpreter compiled its warpgroups' bodies without the cheap options"
+    assert mode._CHEAP_COMPILE == {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
