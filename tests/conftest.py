@@ -44,10 +44,15 @@ def _xla_knows(flag):
 # test_skip_table_triton.py, ...) use CUDA tensors. No test file sets TRITON_INTERPRET itself: one
 # that did would switch every later kernel of a GPU session to the interpreter.
 _HAS_GPU = bool(shutil.which("nvidia-smi"))
+# The choice is read off the command line before pytest parses options (XLA may start sooner) and left
+# in the environment: pytest-xdist's workers (`pytest -n 2`) do not get the command line, they
+# inherit the environment of the run that started them.
+_CHEAP_COMPILES = os.environ.setdefault(
+    "JAXATTN_TESTS_CHEAP_COMPILES", "0" if _HAS_GPU or "--thorough" in sys.argv[1:] else "1") == "1"
 if not _HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    if "--thorough" not in sys.argv[1:]:  # read before pytest parses options: XLA may start sooner
-        _XLA_FLAGS += [f for f in _FAST_CPU_COMPILES if _xla_knows(f)]
+if _CHEAP_COMPILES:
+    _XLA_FLAGS += [f for f in _FAST_CPU_COMPILES if _xla_knows(f)]
 os.environ.setdefault("XLA_FLAGS", " ".join(_XLA_FLAGS))
 
 # Hypothesis profiles (tests/test_reliability_randomized.py): "ci" (the default: few examples per test)
@@ -69,7 +74,7 @@ settings.load_profile(os.environ.get("JAXATTN_HYPOTHESIS_PROFILE", "ci"))
 # representative grids, the Triton interpreter on the smallest shapes); `--thorough` adds the tests
 # and parametrisations marked `thorough`: exhaustive grids, randomized sweeps and long interpreter
 # runs. `pytest --thorough` is the whole suite; `pytest --thorough -m thorough` only what the default
-# run skips (CI runs `pytest`, then that). The Hypothesis profile is chosen apart from this option:
+# run skips (CI runs both, with `-n 2 --dist loadfile`). The Hypothesis profile is chosen apart from this option:
 # `--thorough` runs the randomized tests at the "ci" profile's counts.
 pytest_plugins = ("pytester",)  # tests/test_thorough_option.py runs this file in a scratch project
 

@@ -4,7 +4,6 @@ jaxlib defines them (XLA aborts the process on an unknown flag), and they reach 
 
 import os
 import shutil
-import sys
 
 import conftest
 import jax
@@ -19,13 +18,15 @@ def test_flag_lookup_tells_known_flags_from_unknown_ones():
 
 
 @pytest.mark.skipif(bool(shutil.which("nvidia-smi")), reason="the cheap-compile flags are for CPU-only runs")
-def test_cheap_compile_flags_reach_xla():
+def test_cheap_compile_flags_reach_xla(request):
     flags = os.environ.get("XLA_FLAGS", "").split()
     if not set(conftest._XLA_FLAGS) <= set(flags):
         pytest.skip(f"XLA_FLAGS came from the environment: {flags}")
-    if "--thorough" in sys.argv[1:]:
+    if request.config.getoption("--thorough"):
+        assert not conftest._CHEAP_COMPILES
         assert not set(conftest._FAST_CPU_COMPILES) & set(flags), "--thorough runs XLA's default code generation"
         return
+    assert conftest._CHEAP_COMPILES
     known = [f for f in conftest._FAST_CPU_COMPILES if conftest._xla_knows(f)]
     assert known and set(known) <= set(flags)
     # XLA accepted them (it aborts the process on an unknown flag when its CPU backend starts)
