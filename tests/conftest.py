@@ -19,6 +19,9 @@ _XLA_FLAGS = ["--xla_force_host_platform_device_count=8"]
 # (what users run), so CI's second command covers it. XLA_FLAGS set in the environment replace all
 # of this (e.g. `XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest`).
 _FAST_CPU_COMPILES = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# The same as per-compile options (`Lowered.compile(compiler_options=...)`), typed as XLA wants them.
+FAST_CPU_COMPILE_OPTIONS = {name: {"false": False, "true": True}.get(value, value if not value.isdigit() else int(value))
+                            for name, _, value in (f.lstrip("-").partition("=") for f in _FAST_CPU_COMPILES)}
 
 
 def _xla_knows(flag):

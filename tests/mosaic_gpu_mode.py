@@ -7,6 +7,7 @@ import collections
 
 import numpy as np
 import pytest
+from conftest import FAST_CPU_COMPILE_OPTIONS
 
 jax = pytest.importorskip("jax")
 try:
@@ -41,12 +42,11 @@ def interpret_params():
     return InterpretGPUParams() if MODE == "interpret" else None
 
 
-# XLA:CPU compile options for the interpreter's programs: LLVM without its optimisation passes and the
-# classic emitters, as conftest.py asks of every program in the quick suite. `--thorough` keeps XLA's
-# default code generation for what users run on a CPU; the interpreter is not that, and compiling its
-# programs is most of an interpreted kernel test's time (a thorough feature-grid case: 25-30 s with
-# default code generation, 7-10 s with these, on a 2-core machine).
-_CHEAP_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# The interpreter's programs compile with conftest.py's cheap options (LLVM without its optimisation
+# passes, the classic emitters) even under `--thorough`, which keeps XLA's default code generation for
+# what users run on a CPU; the interpreter is not that, and compiling its programs is most of an
+# interpreted kernel test's time (a thorough feature-grid case: 25-30 s with default code generation,
+# 7-10 s with these, on a 2-core machine).
 _KEPT_EXECUTABLES = 64
 _EXECUTABLES = collections.OrderedDict()  # (body, argument types) -> its cheaply compiled executable
 _COMPILES = [0]  # how many bodies were compiled through it
@@ -65,22 +65,20 @@ def _cheap_thread_compiles():
         return
     if not callable(getattr(thread_map, "_run_jaxpr", None)) or getattr(thread_map, "_jaxattn_cheap", False):
         return
-    executables = _EXECUTABLES
-
     def body(jaxpr, consts, *args):
         jax_core.eval_jaxpr(jaxpr, consts, *args)
 
     def run_jaxpr(jaxpr, consts, *args):
         key = (jaxpr, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves((consts, args))))
-        if key in executables:
-            executables.move_to_end(key)
+        if key in _EXECUTABLES:
+            _EXECUTABLES.move_to_end(key)
         else:
             lowered = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower()
-            executables[key] = lowered.compile(compiler_options=_CHEAP_COMPILE)
+            _EXECUTABLES[key] = lowered.compile(compiler_options=FAST_CPU_COMPILE_OPTIONS)
             _COMPILES[0] += 1
-            if len(executables) > _KEPT_EXECUTABLES:
-                executables.popitem(last=False)
-        executables[key](consts, *args)
+            if len(_EXECUTABLES) > _KEPT_EXECUTABLES:
+                _EXECUTABLES.popitem(last=False)
+        _EXECUTABLES[key](consts, *args)
 
     thread_map._run_jaxpr = run_jaxpr
     thread_map._jaxattn_cheap = True

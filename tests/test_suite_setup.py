@@ -50,4 +50,5 @@ def test_interpreted_kernels_compile_cheaply():
     out, _ = flash_forward_mgpu(q, q, q, scale=0.125, causal=True, block_kv=64, interpret=mode.interpret_params())
     assert out.shape == q.shape
     assert mode._COMPILES[0] > before, "the interpreter compiled its warpgroups' bodies without the cheap options"
-    assert mode._CHEAP_COMPILE == {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+    assert conftest.FAST_CPU_COMPILE_OPTIONS == {"xla_backend_optimization_level": 0,
+                                                 "xla_cpu_use_fusion_emitters": False}
