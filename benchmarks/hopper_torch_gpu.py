@@ -184,6 +184,10 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
+    # Eager calls run as compiled programs once the programs' extension is built (in the background,
+    # on first use): build it first, so that every row times the steady state a training loop sees.
+    from jaxattn.bridge import triton_program
+    print("compiled programs:", triton_program.wait(600), flush=True)
     rows = []
     if args.features:
         feature_costs(rows)

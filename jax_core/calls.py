@@ -177,6 +177,23 @@ HOPPER_TILES = dict(
     forward={64: dict(block_q=64, block_kv=256, stages=2), 128: dict(block_q=64, block_kv=128, stages=2)},
     backward={64: dict(block_q=128, block_kv=64, stages=2), 128: dict(block_q=64, block_kv=64, stages=2)},
 )
+#: Forward tiles for short key lengths, per head dim: (most keys, tiles). At head dim 64 a causal walk
+#: over at most 2048 keys is a few blocks long, and 256-key blocks spend a quarter of the first one
+#: on the masked diagonal. Forward alone on the persistent grid, causal bf16, H200 (BENCHMARKS.md
+#: "Head dim 64: 128-key blocks for short walks"), 256- / 128-key blocks: 128.5 / 117.6 us at (16,
+#: 16, 1024, 64), 197.5 / 196.3 at (8, 16, 2048, 64), 345.5 / 354.6 at (4, 16, 4096, 64).
+HOPPER_FORWARD_SHORT = {64: (2048, dict(block_q=64, block_kv=128, stages=2))}
+
+
+def hopper_tiles(which: str, head_dim: int, kv_len: int) -> dict:
+    """The Hopper kernel's tiles (block_q, block_kv, stages) for `which` ("forward" or "backward") at
+    `head_dim` over `kv_len` keys, padded or not (the choice is the same either way: a short length
+    pads to at most its bound)."""
+    if which == "forward" and head_dim in HOPPER_FORWARD_SHORT:
+        most, tiles = HOPPER_FORWARD_SHORT[head_dim]
+        if kv_len <= most:
+            return tiles
+    return HOPPER_TILES[which][head_dim]
 
 
 #: Programs per multiprocessor of the Hopper forward's persistent grid (0: one program per tile). One
@@ -188,6 +205,18 @@ def hopper_forward_programs(multiprocessors: int) -> Optional[int]:
     """`programs` of the Hopper forward on a GPU with `multiprocessors` SMs: a persistent grid whose
     programs walk tiles in turn, loading the next while they store the last (None: one per tile)."""
     return multiprocessors * HOPPER_FORWARD_PROGRAMS_PER_SM or None
+
+
+#: Programs per multiprocessor of the Hopper backward's persistent grid (0: one program per item of
+#: 2 * block_kv keys). One program fills a multiprocessor, as in the forward.
+HOPPER_BACKWARD_PROGRAMS_PER_SM = 1
+
+
+def hopper_backward_programs(multiprocessors: int) -> Optional[int]:
+    """`programs` of the Hopper backward on a GPU with `multiprocessors` SMs: a persistent grid whose
+    programs walk key blocks in turn, the query-block ring running on from one to the next (None: one
+    program per key block)."""
+    return multiprocessors * HOPPER_BACKWARD_PROGRAMS_PER_SM or None
 
 
 #: Fewest programs the Hopper backward's grid gets, per head dim, where the GQA group allows. One
@@ -221,7 +250,7 @@ def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool) -> tupl
         from .kernels.flash_bwd_mgpu import padded_lengths
     else:
         from .kernels.flash_fwd_mgpu import padded_lengths
-    tiles = HOPPER_TILES["backward" if backward else "forward"][head_dim]
+    tiles = hopper_tiles("backward" if backward else "forward", head_dim, s)
     return padded_lengths(l, s, block_q=tiles["block_q"], block_kv=tiles["block_kv"])
 
 
@@ -234,16 +263,18 @@ def flash_hopper(query, key, value, sinks=None, *, scale, causal, diag_offset, w
 
     return flash_forward_mgpu_tiles(query, key, value, scale=scale, causal=causal, diag_offset=diag_offset,
                                     window=window, softcap=softcap, kv_len=kv_len, sinks=sinks, programs=programs,
-                                    **HOPPER_TILES["forward"][query.shape[-1]])
+                                    **hopper_tiles("forward", query.shape[-1], key.shape[1]))
 
 
 def flash_hopper_backward(query, key, value, d_out, lse_log2, delta, dq_accum, *, scale, causal, diag_offset,
-                          window=None, softcap=None, kv_len=None, head_splits=1):
+                          window=None, softcap=None, kv_len=None, head_splits=1, programs=None):
     """(dq_accum + dQ float32, dK, dV): `flash_bwd_mgpu.flash_backward_mgpu_tiles` with the tuned tiles
     (with `head_splits` > 1, dK and dV as float32 partial sums (head_splits, B, S, Hk, D) to sum).
-    Padded query rows must carry lse_log2 +inf and delta 0."""
+    Padded query rows must carry lse_log2 +inf and delta 0. `programs`: None (one program per key
+    block) or the persistent grid's size (`flash_backward_mgpu`)."""
     from .kernels.flash_bwd_mgpu import flash_backward_mgpu_tiles
 
     return flash_backward_mgpu_tiles(query, key, value, d_out, lse_log2, delta, dq_accum, scale=scale, causal=causal,
                                      diag_offset=diag_offset, window=window, softcap=softcap, kv_len=kv_len,
-                                     head_splits=head_splits, **HOPPER_TILES["backward"][query.shape[-1]])
+                                     head_splits=head_splits, programs=programs,
+                                     **hopper_tiles("backward", query.shape[-1], key.shape[1]))

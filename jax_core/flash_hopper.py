@@ -2,7 +2,7 @@
 
 Runs the Pallas Mosaic GPU kernels of `kernels/flash_fwd_mgpu.py` (forward: out and the natural-log
 LSE) and `kernels/flash_bwd_mgpu.py` (backward: dQ, dK, dV in one kernel) as one differentiable
-function, `flash_hopper_attention`, with the tiles tuned per head dim (`calls.HOPPER_TILES`).
+function, `flash_hopper_attention`, with the tiles tuned per head dim and length (`calls.hopper_tiles`).
 
 Where: CUDA on an sm90 (Hopper) GPU, bf16/fp16, head dims 64 and 128 (equal q/k and v head dims),
 any lengths, GQA, causal in both alignments, sliding windows, a logits soft cap, one sink logit per
@@ -41,11 +41,11 @@ class _Settings:
     softcap: Optional[float]
     interpret: Any
 
-    def kernel_keywords(self, head_dim: int, which: str) -> dict:
-        from .calls import HOPPER_TILES  # calls imports the dispatch machinery: import it when running
+    def kernel_keywords(self, head_dim: int, kv_len: int, which: str) -> dict:
+        from .calls import hopper_tiles  # calls imports the dispatch machinery: import it when running
 
         return dict(scale=self.scale, causal=self.causal, diag_offset=self.diag_offset, window=self.window,
-                    softcap=self.softcap, interpret=self.interpret, **HOPPER_TILES[which][head_dim])
+                    softcap=self.softcap, interpret=self.interpret, **hopper_tiles(which, head_dim, kv_len))
 
 
 def flash_hopper_attention(q, k, v, sinks=None, *, scale: float, causal: bool = False, diag_offset: int = 0,
@@ -74,7 +74,7 @@ def _forward(q, k, v, sinks, settings: _Settings):
     # On the GPU a persistent grid; interpreted, one program per tile.
     programs = None if settings.interpret is not None else hopper_forward_programs(device_multiprocessors(0))
     return flash_forward_mgpu(q, k, v, sinks=sinks, programs=programs,
-                              **settings.kernel_keywords(q.shape[-1], "forward"))
+                              **settings.kernel_keywords(q.shape[-1], k.shape[1], "forward"))
 
 
 def _vjp_forward(q, k, v, sinks, settings: _Settings):
@@ -83,7 +83,7 @@ def _vjp_forward(q, k, v, sinks, settings: _Settings):
 
 
 def _vjp_backward(settings: _Settings, residuals, cotangents):
-    from .calls import hopper_head_splits, hopper_padded_lengths
+    from .calls import hopper_backward_programs, hopper_head_splits, hopper_padded_lengths
     from .kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu, sinks_gradient
 
     q, k, v, sinks, out, lse = residuals
@@ -96,7 +96,11 @@ def _vjp_backward(settings: _Settings, residuals, cotangents):
     dq, dk, dv = flash_backward_mgpu(q, k, v, dout, lse_log2, delta, jnp.zeros(q.shape, jnp.float32),
                                      head_splits=hopper_head_splits(q.shape[0], q.shape[2], k.shape[2], keys,
                                                                     q.shape[-1]),
-                                     **settings.kernel_keywords(q.shape[-1], "backward"))
+                                     # On the GPU a persistent grid, as the forward's; interpreted, one
+                                     # program per key block.
+                                     programs=None if settings.interpret is not None else hopper_backward_programs(
+                                         device_multiprocessors(0)),
+                                     **settings.kernel_keywords(q.shape[-1], k.shape[1], "backward"))
     dsinks = None if sinks is None else sinks_gradient(sinks, lse, delta).astype(sinks.dtype)
     return dq.astype(q.dtype), dk, dv, dsinks
 

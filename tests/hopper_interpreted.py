@@ -28,7 +28,7 @@ class InterpretedKernel(MosaicKernel):
         arrays = [jnp.asarray(t.contiguous().float().numpy(), dtype[t.dtype]) for t in tensors]
         fn = flash_forward_mgpu_tiles if self.which == "forward" else flash_backward_mgpu_tiles
         extra = dict(sinks=arrays.pop()) if self.which == "forward" and len(arrays) == 4 else {}
-        results = fn(*arrays, **static, **extra, **calls.HOPPER_TILES[self.which][arrays[0].shape[-1]],
+        results = fn(*arrays, **static, **extra, **calls.hopper_tiles(self.which, arrays[0].shape[-1], arrays[1].shape[1]),
                      interpret=interpret_params())
         back = {jnp.dtype(jnp.float16): torch.float16, jnp.dtype(jnp.bfloat16): torch.bfloat16,
                 jnp.dtype(jnp.float32): torch.float32}

@@ -261,7 +261,7 @@ def test_lowers_for_hopper(kw, lengths):
     (dict(stages=1), r"stages=1: expected at least 2"),
     (dict(stages=3, d=128), r"stages=3, block_kv=128, head_dim=128: 229376 bytes of shared-memory buffers"),
     (dict(stages=3, d=128, programs=1), r"262144 bytes .* or one tile per program \(programs=None\)"),
-    (dict(programs=0), r"programs=0: expected None \(one program per tile\) or a positive int"),
+    (dict(programs=0), r"programs=0: expected None \(one program per item of work\) or a positive int"),
     (dict(programs=2.0), r"programs=2.0: expected None"),
     (dict(scale=-1.0), r"scale=-1.0: expected a positive"),
     (dict(diag_offset=1.5), r"diag_offset=1.5: expected a Python int"),

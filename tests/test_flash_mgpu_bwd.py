@@ -105,7 +105,8 @@ def _inputs(gen, b, l, s, hq, hk, d, torch_dtype):
 
 
 def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
-                  d=64, stages=2, dtype=jnp.float16, inputs=None, residuals="reference", head_splits=1, block_q=64):
+                  d=64, stages=2, dtype=jnp.float16, inputs=None, residuals="reference", head_splits=1, block_q=64,
+                  programs=None):
     """Runs the backward with the features given on fresh inputs (or `inputs`: q, k, v, do as (B, H, T, D)
     float64) and checks dq, dk, dv (and the sinks' gradient) against the float64 oracle's under the 2x
     rule; rows that see no key get dq exactly 0. `residuals`: whose out and lse the backward reads, the
@@ -130,7 +131,7 @@ def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window
     lse_log2, delta = backward_operands(jout, jdo, jlse)
     got = flash_backward_mgpu(jq, jk, jv, jdo, lse_log2, delta, jnp.zeros(jq.shape, jnp.float32), scale=scale,
                               causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, stages=stages,
-                              head_splits=head_splits, block_q=block_q, interpret=interpret)
+                              head_splits=head_splits, block_q=block_q, programs=programs, interpret=interpret)
     assert [x.shape for x in got] == [jq.shape, jk.shape, jv.shape]
     assert [x.dtype for x in got] == [jnp.float32, jk.dtype, jv.dtype]
     # On the GPU the soft cap's tanh is tanh.approx.f32 (relative error below 2**-10.9): dS's factor
@@ -199,6 +200,17 @@ FEATURE_CASES = [
     pytest.param(1, 150, 230, 4, 2, dict(window=(24, 8), softcap=4.0, sinks=True, causal=True, block_q=128),
                  id="dq-rows-all-features-gqa"),
     pytest.param(2, 200, 260, 4, 1, dict(causal=True, head_splits=2, block_q=128), id="dq-rows-head-splits-causal"),
+    # a persistent grid (`programs`): 3 programs walk 2-6 items each (2 * 64 keys of a KV head and
+    # split), the query-block ring and the dS^T exchange running on from item to item. Without GQA
+    # some items walk an odd number of query blocks, so ring slots and dS^T buffers change parity
+    # between items.
+    pytest.param(1, 150, 390, 4, 4, dict(causal=True, alignment="bottom_right", programs=3),
+                 id="persistent-causal-br"),
+    pytest.param(2, 150, 230, 2, 2, dict(causal=True, d=128, programs=3), id="persistent-causal-d128-dq-columns"),
+    pytest.param(2, 150, 230, 4, 1, dict(window=(24, 8), softcap=4.0, sinks=True, causal=True, block_q=128,
+                                          head_splits=2, programs=3), id="persistent-dq-rows-head-splits-all-features"),
+    # keys 128 and up are outside every row's window: their items walk no query block and write zeros
+    pytest.param(1, 70, 400, 2, 2, dict(window=(5, 5), programs=3), id="persistent-items-no-row-sees"),
 ]
 
 
@@ -380,6 +392,21 @@ def test_lowers_for_hopper(kw, d, block_q, lengths):
     assert text.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("d, block_q", [(64, 64), (64, 128), (128, 64)], ids=["d64", "d64-dq-rows", "d128"])
+def test_persistent_grid_lowers_for_hopper(d, block_q):
+    """The persistent grid (`programs`) lowers too, with every feature, on every dQ path."""
+    q = jax.ShapeDtypeStruct((2, 256, 4, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 384, 2, d), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((2, 4, 256), jnp.float32)
+
+    def backward(q, k, v, do, lse, delta, acc):
+        return flash_backward_mgpu(q, k, v, do, lse, delta, acc, scale=0.1, block_q=block_q, causal=True,
+                                   softcap=3.0, window=(9, 2), programs=132)
+    text = jax.jit(backward).trace(q, k, k, q, rows, rows, jax.ShapeDtypeStruct(q.shape, jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(d=80), r"head_dim=80: expected 64 or 128"),
     (dict(hk=3, hq=4), r"query heads 4, KV heads 3"),
@@ -396,6 +423,7 @@ def test_lowers_for_hopper(kw, d, block_q, lengths):
     (dict(window=(4,)), r"window=\(4,\): expected None or \(left, right\), two ints >= -1"),
     (dict(window=(-2, 0)), r"window=\(-2, 0\): expected None or \(left, right\)"),
     (dict(softcap=0.0), r"softcap=0.0: expected None or a positive finite Python float"),
+    (dict(programs=0), r"programs=0: expected None \(one program per item of work\) or a positive int"),
 ])
 def test_rejects_bad_arguments(kw, match):
     kw = dict(kw)

@@ -122,6 +122,25 @@ def test_the_hopper_backward_splits_short_gqa_grids(b, hq, hk, keys, d, want):
     assert b * hk * got * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS[d] or got == group
 
 
+
+@pytest.mark.parametrize("d, s, backward, want_block_kv, want_keys", [
+    (64, 1000, False, 128, 1024),   # a short head-dim-64 walk: 128-key blocks
+    (64, 2048, False, 128, 2048),
+    (64, 2049, False, 256, 2304),   # past the bound: 256-key blocks
+    (64, 4096, False, 256, 4096),
+    (128, 1000, False, 128, 1024),  # head dim 128: one tile size
+    (64, 1000, True, 64, 1024),     # the backward's tiles do not depend on the length
+])
+def test_the_hopper_forward_takes_shorter_key_blocks_for_short_head_dim_64_walks(d, s, backward, want_block_kv,
+                                                                                   want_keys):
+    from jaxattn.jax_core.calls import hopper_padded_lengths, hopper_tiles
+
+    which = "backward" if backward else "forward"
+    assert hopper_tiles(which, d, s)["block_kv"] == want_block_kv
+    assert hopper_padded_lengths(97, s, d, backward=backward)[1] == want_keys
+    # The padded length chooses the same tiles as the true one (the kernel sees the padded keys).
+    assert hopper_tiles(which, d, want_keys) == hopper_tiles(which, d, s)
+
 def _spy_hopper_kernels(monkeypatch) -> list:
     """Which Hopper kernels run (their names, in order), each still launching."""
     ran = []

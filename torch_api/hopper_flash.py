@@ -216,6 +216,15 @@ def _forward_static(cfg: FlashConfig, kv_len: int, device: torch.device) -> dict
     return dict(_static(cfg, kv_len), programs=forward_programs(device))
 
 
+def backward_programs(device: torch.device) -> Optional[int]:
+    """The backward's persistent grid on `device` (`calls.hopper_backward_programs`)."""
+    return calls.hopper_backward_programs(multiprocessors(device, HOPPER_INTERPRETED_SMS))
+
+
+def _backward_static(cfg: FlashConfig, kv_len: int, device: torch.device, head_splits: int) -> dict:
+    return dict(_static(cfg, kv_len), head_splits=head_splits, programs=backward_programs(device))
+
+
 def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient; `sinks`: None or (Hq,) float logits,
     one per query head, in each row's softmax normaliser (and so in the LSE)."""
@@ -245,7 +254,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
     accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)
     backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], keys, q.shape[-1])
-    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, head_splits=splits, **_static(cfg, s))
+    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_backward_static(cfg, s, q.device, splits))
     if splits > 1:  # dK, dV as the splits' float32 partial sums
         dq, dk, dv = backward_results(dq, dk, dv, q.dtype)
     else:

@@ -169,7 +169,7 @@ def _register_train(q, k, v, cfg, saved, kernel_inputs, folded, common, saved_bu
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], kk.shape[1], q.shape[-1])
     rows_meta = torch.empty((batch, heads, rows), dtype=f32, device="meta")
     backward = _hopper._BACKWARD.host_launch((*_meta(kq, kk, kv, kq), rows_meta, rows_meta.clone(), accum),
-                                             dict(head_splits=splits, **_hopper._static(cfg, k.shape[2])))
+                                             _hopper._backward_static(cfg, k.shape[2], q.device, splits))
     if backward is None:
         return None
     # Without head splits the kernel writes dK and dV in the inputs' dtype: returned as (B, H, T, D) views.

@@ -16,14 +16,18 @@ kernel with the true key count `kv_len` and slices dq, dk, dv back. `flash_backw
 the bare kernel call on whole tiles, for launchers (such as `plgpu.as_torch_kernel`) that pad
 themselves.
 
-One program (a CUDA block of three warpgroups) owns 2 * block_kv keys of one KV head and walks the
-query blocks of every query head of its group that see them (with `head_splits` > 1, of its share of
-the group: a short GQA grid gets more programs, each writing float32 partial dK, dV to be summed):
+The work is items of 2 * block_kv keys of one KV head, each walking the query blocks of every query
+head of its group that see them (with `head_splits` > 1, of its share of the group: a short GQA grid
+gets more items, each writing float32 partial dK, dV to be summed). One program (a CUDA block of
+three warpgroups) takes one item, or, with `programs` (a persistent grid, one program per
+multiprocessor), several in turn (`_Items`, dealt by `persistent_waves`): the memory warpgroup's
+ring runs on from item to item, so the next item's first query blocks load while the compute
+warpgroups store the last item's dK and dV and load its K and V. Per program:
     * warpgroup 2 (memory) streams Q, dO, LSE and delta blocks by TMA into a ring of `stages`
       shared-memory slots; `*_ready` barriers say a slot is filled, `*_free` barriers (one arrival
       per compute warpgroup) say both have read it.
     * warpgroup w in {0, 1} (compute) keeps its block_kv keys' K, V and its dK, dV accumulators for
-      the whole walk. Per query block, with wgmma: S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE),
+      an item's whole walk. Per query block, with wgmma: S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE),
       dP^T = V dO^T, dV += P^T dO, dS^T = scale P^T (dP^T - delta), dK += dS^T Q, and a share of
       dQ = dS K read from dS^T in shared memory (`dq_split`). At head dim 128 the two warpgroups
       split dQ's columns (64 each), at head dim 64 with 128-row query blocks its rows (64 each),
@@ -60,6 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
 from .flash_mgpu_checks import (check_arrays, check_backward_operands, check_blocks, check_features,
                                 check_whole_tiles)
+from .persistent_waves import Waves, waves
 
 LOG2E = math.log2(math.e)
 
@@ -170,6 +175,30 @@ def _q_range(kv_start, cfg):
     return _Walk(first, full_lo, full_hi, end - first)
 
 
+class _Items(NamedTuple):
+    """The work: one item per (batch, KV head, split, 2 * block_kv keys), numbered key block by key
+    block, the first keys (the longest causal walks) first, and dealt by `waves` to the programs (a
+    persistent grid, one per multiprocessor, or one program per item)."""
+    batch: int
+    columns: int  # KV heads times splits
+    waves: Waves
+
+    @property
+    def programs(self):
+        return self.waves.programs
+
+    def count(self, program):
+        """How many items `program` walks."""
+        return self.waves.count(program)
+
+    def at(self, program, j):
+        """(batch, column, key block) of `program`'s j-th item (in wave j)."""
+        t = self.waves.item(program, j)
+        pairs = jnp.int32(self.batch * self.columns)
+        pair = lax.rem(t, pairs)
+        return lax.div(pair, jnp.int32(self.columns)), lax.rem(pair, jnp.int32(self.columns)), lax.div(t, pairs)
+
+
 class _Settings(NamedTuple):
     """What the kernel compiles in (static): scale, mask rule, tiles, GQA group, query blocks.
 
@@ -187,6 +216,7 @@ class _Settings(NamedTuple):
     group: int  # query heads per KV head
     splits: int  # programs per (KV head, key block) that share its group's query heads (`head_splits`)
     num_q_blocks: int
+    items: _Items
     interpret: object  # interpret-mode parameters, or None on the GPU
 
     @property
@@ -232,57 +262,89 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
 
 
 def _warpgroups(refs, bufs, bars, cfg: _Settings):
-    batch, wg = lax.axis_index("batch"), lax.axis_index("wg")
-    # The grid's first axis folds (KV head, split): split `part` walks query heads
-    # [first_head, first_head + heads_per_program) of the KV head's group.
-    kv_head, part = lax.div(lax.axis_index("kv_heads"), cfg.splits), lax.rem(lax.axis_index("kv_heads"), cfg.splits)
-    first_head = kv_head * cfg.group + part * cfg.heads_per_program
-    kv_start = lax.axis_index("kv_blocks") * (COMPUTE_WGS * cfg.block_kv)
-    walk = _q_range(kv_start, cfg)
+    program, wg = lax.axis_index("programs"), lax.axis_index("wg")
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(240, action="increase")
-        _compute(refs, bufs, bars, cfg, batch=batch, kv_head=kv_head, part=part, first_head=first_head, wg=wg,
-                 kv_start=kv_start, walk=walk)
+        _compute(refs, bufs, bars, cfg, program=program, wg=wg)
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(24, action="decrease")
-        _memory(refs, bufs, bars, cfg, batch=batch, first_head=first_head, walk=walk)
+        _memory(refs, bufs, bars, cfg, program=program)
 
 
-def _memory(refs, bufs, bars, cfg: _Settings, *, batch, first_head, walk):
+class _Item(NamedTuple):
+    """One item of a program's work: `2 * block_kv` keys from `kv_start` of KV head `kv_head` in batch
+    `batch`, against query heads [first_head, first_head + heads_per_program) of its group (split
+    `part` of `splits`), whose query blocks `walk` says."""
+    batch: object
+    kv_head: object
+    part: object
+    first_head: object
+    kv_start: object
+    walk: _Walk
+
+    def steps(self, cfg):
+        """Query blocks walked: per query head, then head after head."""
+        return cfg.heads_per_program * self.walk.per_head
+
+    def block(self, step, cfg):
+        """(query head, first row) of the item's `step`-th query block."""
+        per_head = self.walk.per_head
+        return (self.first_head + lax.div(step, per_head),
+                (self.walk.first + lax.rem(step, per_head)) * cfg.block_q)
+
+
+def _item(program, j, cfg: _Settings):
+    """`program`'s j-th `_Item`."""
+    batch, column, key_block = cfg.items.at(program, j)
+    # A column folds (KV head, split): split `part` walks query heads
+    # [first_head, first_head + heads_per_program) of the KV head's group.
+    kv_head, part = lax.div(column, cfg.splits), lax.rem(column, cfg.splits)
+    kv_start = key_block * (COMPUTE_WGS * cfg.block_kv)
+    return _Item(batch, kv_head, part, kv_head * cfg.group + part * cfg.heads_per_program, kv_start,
+                 _q_range(kv_start, cfg))
+
+
+def _memory(refs, bufs, bars, cfg: _Settings, *, program):
     block_q, stages = cfg.block_q, cfg.stages
     q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
     _, _, q_smem, do_smem, lse_smem, delta_smem = bufs[:6]
-    first, per_head = walk.first, walk.per_head
-    steps = cfg.heads_per_program * per_head
 
-    @pl.loop(0, steps)
-    def _(step):
-        slot = lax.rem(step, jnp.int32(stages))
-        head = first_head + lax.div(step, per_head)
-        rows = (first + lax.rem(step, per_head)) * block_q
-        block = (batch, pl.ds(rows, block_q), head)
-        vector = (batch, head, pl.ds(rows, block_q))
+    def item(j, loaded):
+        """Streams the j-th item's query blocks; `loaded` counts the blocks of the earlier items (block
+        number n goes to ring slot n % stages: the ring runs on from item to item)."""
+        it = _item(program, j, cfg)
 
-        @pl.when(step >= stages)  # the slot's previous block must have been read by both
-        def _():
-            plgpu.barrier_wait(bars["q_free"].at[slot])
-        plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[slot], bars["q_ready"].at[slot])
-        plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], bars["lse_ready"].at[slot])
+        @pl.loop(0, it.steps(cfg))
+        def _(step):
+            n = loaded + step
+            slot = lax.rem(n, jnp.int32(stages))
+            head, rows = it.block(step, cfg)
+            block = (it.batch, pl.ds(rows, block_q), head)
+            vector = (it.batch, head, pl.ds(rows, block_q))
 
-        @pl.when(step >= stages)
-        def _():
-            plgpu.barrier_wait(bars["do_free"].at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[block], do_smem.at[slot], bars["do_ready"].at[slot])
-        plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[slot], bars["delta_ready"].at[slot])
+            @pl.when(n >= stages)  # the slot's previous block must have been read by both
+            def _():
+                plgpu.barrier_wait(bars["q_free"].at[slot])
+            plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[slot], bars["q_ready"].at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], bars["lse_ready"].at[slot])
+
+            @pl.when(n >= stages)
+            def _():
+                plgpu.barrier_wait(bars["do_free"].at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[block], do_smem.at[slot], bars["do_ready"].at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[slot], bars["delta_ready"].at[slot])
+        return loaded + it.steps(cfg)
+
+    loaded = lax.fori_loop(0, cfg.items.count(program), item, jnp.int32(0))
 
     # Observe the last releases too, so that every barrier phase is consumed before the barriers go.
-    @pl.loop(jnp.maximum(steps - stages, 0), steps)
-    def _(step):
-        slot = lax.rem(step, jnp.int32(stages))
+    @pl.loop(jnp.maximum(loaded - stages, 0), loaded)
+    def _(n):
+        slot = lax.rem(n, jnp.int32(stages))
         plgpu.barrier_wait(bars["q_free"].at[slot])
         plgpu.barrier_wait(bars["do_free"].at[slot])
 
@@ -341,7 +403,7 @@ def _mma(*terms, on_gpu):
     return list(pl.run_state(issue)(tuple(plgpu.ACC.init(init(acc)) for acc, _, _ in terms)))
 
 
-def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, part, first_head, wg, kv_start, walk):
+def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
     scale, interpret = cfg.scale, cfg.interpret
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     _, k_ref, v_ref, _, _, _, dq_ref, dk_ref, dv_ref = refs
@@ -352,116 +414,129 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, batch, kv_head, part, first_he
     on_gpu = interpret is None
     # With a soft cap the exponent is softcap * log2(e) * tanh(scale / softcap * s) (as in the forward).
     scale_log2 = (scale if cfg.softcap is None else cfg.softcap) * LOG2E
-    keys = kv_start + wg * block_kv
-    first, per_head = walk.first, walk.per_head
 
-    kv_block = (batch, pl.ds(keys, block_kv), kv_head)
-    plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["kv_ready"].at[wg])
-    plgpu.barrier_wait(bars["kv_ready"].at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem, bars["kv_ready"].at[wg])
-    plgpu.barrier_wait(bars["kv_ready"].at[wg])
-
-    def q_step(step, carry, *, masked):
-        dk, dv = carry
-        slot = lax.rem(step, jnp.int32(stages))
-        own = _per_step(wg, step)  # == wg; see `_per_step`
-        k_smem, v_smem = k_all.at[own], v_all.at[own]
-        head = first_head + lax.div(step, per_head)
-        rows = (first + lax.rem(step, per_head)) * block_q
-        plgpu.barrier_wait(bars["q_ready"].at[slot])
-        plgpu.barrier_wait(bars["lse_ready"].at[slot])
-        q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
-
-        plgpu.barrier_wait(bars["do_ready"].at[slot])
-        # S^T = K Q^T and dP^T = V dO^T: both (block_kv, block_q), issued together.
-        s_t, dp_t = _mma(((block_kv, block_q), k_smem, _T(q_slot)), ((block_kv, block_q), v_smem, _T(do_slot)),
-                         on_gpu=on_gpu)
-        lse = _load_vector(lse_smem.at[slot], on_gpu=on_gpu)
-        s_t, cap_grad = _soft_cap(s_t, cfg)
-        p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-        if masked:
-            p_t = _hide(p_t, rows, keys, cfg, on_gpu=on_gpu)
-        plgpu.barrier_wait(bars["delta_ready"].at[slot])
-        delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
-        ds16 = _capped((p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])), cap_grad).astype(dtype)
-        p16 = p_t.astype(dtype)
-        dq_rows = (batch, pl.ds(rows, block_q), head)
-        if not split:
-            # dS^T to shared memory, where the dQ product reads it transposed.
-            ds_smem = ds_all.at[wg]
-            ds_smem[...] = ds16
-            plgpu.commit_smem()
-            # dV += P^T dO, dK += dS^T Q, and this warpgroup's keys' share of dQ, dS K: issued together.
-            dv, dk, dq = _mma((dv, p16, do_slot), (dk, ds16, q_slot), ((block_q, d), _T(ds_smem), k_smem),
-                              on_gpu=on_gpu)
-            plgpu.barrier_arrive(bars["do_free"].at[slot])
-            plgpu.barrier_arrive(bars["q_free"].at[slot])
-            _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (wg, *dq_rows)], on_gpu=on_gpu)
-            return dk, dv
-        ds_both = ds_all.at[lax.rem(step, 2)]
-        ds_both.at[wg][...] = ds16
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(bars["ds_ready"])
-        dv, dk = _mma((dv, p16, do_slot), (dk, ds16, q_slot), on_gpu=on_gpu)
-        plgpu.barrier_arrive(bars["do_free"].at[slot])
-        plgpu.barrier_wait(bars["ds_ready"])  # the other warpgroup's dS^T is in shared memory too
-        assert COMPUTE_WGS == 2
-        for w in range(COMPUTE_WGS):  # static slices (swizzle tiles), one branch per warpgroup
-            @pl.when(wg == w)
+    def item(j, loaded):
+        """The j-th item; `loaded` counts the query blocks of the earlier ones, as the memory warpgroup
+        does: step `step` reads ring slot (loaded + step) % stages."""
+        it = _item(program, j, cfg)
+        batch, kv_head, part = it.batch, it.kv_head, it.part
+        keys = it.kv_start + wg * block_kv
+        kv_block = (batch, pl.ds(keys, block_kv), kv_head)
+        if on_gpu:
+            @pl.when(j > 0)  # the last item's dK and dV stores have read the K and V tiles
             def _():
-                # (Indices derived from wg: Mosaic GPU in jax 0.11 rejects constant ones into these refs.)
-                both = (own, 1 - own)
-                if split == "columns":  # dQ[:, cols] = dS K[:, cols]
-                    cols = pl.ds(w * (d // 2), d // 2)
-                    ds_parts = tuple(_T(ds_both.at[u]) for u in both)
-                    k_parts = tuple(k_all.at[u, :, cols] for u in both)
-                    target = (*dq_rows, cols)
-                else:  # dQ[rows] = dS[rows] K: the rows are columns of dS^T
-                    half = pl.ds(w * (block_q // 2), block_q // 2)
-                    ds_parts = tuple(_T(ds_both.at[u, :, half]) for u in both)
-                    k_parts = tuple(k_all.at[u] for u in both)
-                    target = (batch, pl.ds(rows + w * (block_q // 2), block_q // 2), head)
-                dq, = _mma((dq_smem.shape, ds_parts, k_parts), on_gpu=on_gpu)
-                _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
-        plgpu.barrier_arrive(bars["q_free"].at[slot])
-        return dk, dv
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["kv_ready"].at[wg])
+        plgpu.barrier_wait(bars["kv_ready"].at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem, bars["kv_ready"].at[wg])
+        plgpu.barrier_wait(bars["kv_ready"].at[wg])
 
-    zeros = _layout(jnp.zeros((block_kv, d), jnp.float32), on_gpu=on_gpu)
-    carry = (zeros, zeros)
-    # Per head, steps [0, lo) and [hi, per_head) cross a band edge (or hold keys past kv_len).
-    lo, hi = walk.full_lo - first, walk.full_hi - first
+        def q_step(step, carry, *, masked):
+            dk, dv = carry
+            n = loaded + step  # the block's number in the ring's run
+            slot = lax.rem(n, jnp.int32(stages))
+            own = _per_step(wg, n)  # == wg; see `_per_step`
+            k_smem, v_smem = k_all.at[own], v_all.at[own]
+            head, rows = it.block(step, cfg)
+            plgpu.barrier_wait(bars["q_ready"].at[slot])
+            plgpu.barrier_wait(bars["lse_ready"].at[slot])
+            q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
 
-    def head_walk(g, carry):
-        base = g * per_head
-        if cfg.right is not None or cfg.ragged_end:
-            carry = lax.fori_loop(base, base + lo, functools.partial(q_step, masked=True), carry)
-        carry = lax.fori_loop(base + lo, base + hi, functools.partial(q_step, masked=False), carry)
-        if cfg.left is not None:
-            carry = lax.fori_loop(base + hi, base + per_head, functools.partial(q_step, masked=True), carry)
-        return carry
-
-    dk, dv = lax.fori_loop(0, cfg.heads_per_program, head_walk, carry)
-    if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
-        plgpu.barrier_arrive(bars["ds_ready"])
-        plgpu.barrier_wait(bars["ds_ready"])
-    if cfg.splits == 1:  # K and V are no longer read: their tiles take dK and dV on the way out
-        k_smem[...] = dk.astype(dtype)
-        v_smem[...] = dv.astype(dtype)
-        plgpu.commit_smem()
-        out_block = (batch, pl.ds(keys, block_kv), kv_head)
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
-    else:  # this split's float32 partial sums, column block by column block through the dQ staging tile
-        width = dq_smem.shape[-1]
-        for acc, out in ((dk, dk_ref), (dv, dv_ref)):
-            for c in range(0, d, width):
-                if on_gpu:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous copy has read it
-                dq_smem[...] = acc[:, c:c + width]
+            plgpu.barrier_wait(bars["do_ready"].at[slot])
+            # S^T = K Q^T and dP^T = V dO^T: both (block_kv, block_q), issued together.
+            s_t, dp_t = _mma(((block_kv, block_q), k_smem, _T(q_slot)), ((block_kv, block_q), v_smem, _T(do_slot)),
+                             on_gpu=on_gpu)
+            lse = _load_vector(lse_smem.at[slot], on_gpu=on_gpu)
+            s_t, cap_grad = _soft_cap(s_t, cfg)
+            p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+            if masked:
+                p_t = _hide(p_t, rows, keys, cfg, on_gpu=on_gpu)
+            plgpu.barrier_wait(bars["delta_ready"].at[slot])
+            delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
+            ds16 = _capped((p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])), cap_grad).astype(dtype)
+            p16 = p_t.astype(dtype)
+            dq_rows = (batch, pl.ds(rows, block_q), head)
+            if not split:
+                # dS^T to shared memory, where the dQ product reads it transposed.
+                ds_smem = ds_all.at[wg]
+                ds_smem[...] = ds16
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_smem, out.at[part, batch, pl.ds(keys, block_kv), kv_head, pl.ds(c, width)])
-                if not on_gpu:
-                    plgpu.wait_smem_to_gmem(0)
+                # dV += P^T dO, dK += dS^T Q, and this warpgroup's keys' share of dQ, dS K: issued together.
+                dv, dk, dq = _mma((dv, p16, do_slot), (dk, ds16, q_slot), ((block_q, d), _T(ds_smem), k_smem),
+                                  on_gpu=on_gpu)
+                plgpu.barrier_arrive(bars["do_free"].at[slot])
+                plgpu.barrier_arrive(bars["q_free"].at[slot])
+                _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (wg, *dq_rows)], on_gpu=on_gpu)
+                return dk, dv
+            ds_both = ds_all.at[lax.rem(n, 2)]
+            ds_both.at[wg][...] = ds16
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(bars["ds_ready"])
+            dv, dk = _mma((dv, p16, do_slot), (dk, ds16, q_slot), on_gpu=on_gpu)
+            plgpu.barrier_arrive(bars["do_free"].at[slot])
+            plgpu.barrier_wait(bars["ds_ready"])  # the other warpgroup's dS^T is in shared memory too
+            assert COMPUTE_WGS == 2
+            for w in range(COMPUTE_WGS):  # static slices (swizzle tiles), one branch per warpgroup
+                @pl.when(wg == w)
+                def _():
+                    # (Indices derived from wg: Mosaic GPU in jax 0.11 rejects constant ones into these refs.)
+                    both = (own, 1 - own)
+                    if split == "columns":  # dQ[:, cols] = dS K[:, cols]
+                        cols = pl.ds(w * (d // 2), d // 2)
+                        ds_parts = tuple(_T(ds_both.at[u]) for u in both)
+                        k_parts = tuple(k_all.at[u, :, cols] for u in both)
+                        target = (*dq_rows, cols)
+                    else:  # dQ[rows] = dS[rows] K: the rows are columns of dS^T
+                        half = pl.ds(w * (block_q // 2), block_q // 2)
+                        ds_parts = tuple(_T(ds_both.at[u, :, half]) for u in both)
+                        k_parts = tuple(k_all.at[u] for u in both)
+                        target = (batch, pl.ds(rows + w * (block_q // 2), block_q // 2), head)
+                    dq, = _mma((dq_smem.shape, ds_parts, k_parts), on_gpu=on_gpu)
+                    _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
+            plgpu.barrier_arrive(bars["q_free"].at[slot])
+            return dk, dv
+
+        zeros = _layout(jnp.zeros((block_kv, d), jnp.float32), on_gpu=on_gpu)
+        carry = (zeros, zeros)
+        # Per head, steps [0, lo) and [hi, per_head) cross a band edge (or hold keys past kv_len).
+        lo, hi = it.walk.full_lo - it.walk.first, it.walk.full_hi - it.walk.first
+
+        def head_walk(g, carry):
+            base = g * it.walk.per_head
+            if cfg.right is not None or cfg.ragged_end:
+                carry = lax.fori_loop(base, base + lo, functools.partial(q_step, masked=True), carry)
+            carry = lax.fori_loop(base + lo, base + hi, functools.partial(q_step, masked=False), carry)
+            if cfg.left is not None:
+                carry = lax.fori_loop(base + hi, base + it.walk.per_head, functools.partial(q_step, masked=True), carry)
+            return carry
+
+        dk, dv = lax.fori_loop(0, cfg.heads_per_program, head_walk, carry)
+        if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
+            plgpu.barrier_arrive(bars["ds_ready"])
+            plgpu.barrier_wait(bars["ds_ready"])
+        if cfg.splits == 1:  # K and V are no longer read: their tiles take dK and dV on the way out
+            k_smem[...] = dk.astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            out_block = (batch, pl.ds(keys, block_kv), kv_head)
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
+        else:  # this split's float32 partial sums, column block by column block through the dQ staging tile
+            width = dq_smem.shape[-1]
+            for acc, out in ((dk, dk_ref), (dv, dv_ref)):
+                for c in range(0, d, width):
+                    if on_gpu:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous copy has read it
+                    dq_smem[...] = acc[:, c:c + width]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dq_smem, out.at[part, batch, pl.ds(keys, block_kv), kv_head, pl.ds(c, width)])
+                    if not on_gpu:
+                        plgpu.wait_smem_to_gmem(0)
+        if not on_gpu:  # the interpreter's copies complete here (on the GPU the next item waits)
+            plgpu.wait_smem_to_gmem(0)
+        return loaded + it.steps(cfg)
+
+    lax.fori_loop(0, cfg.items.count(program), item, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -542,7 +617,8 @@ def _pad(x, length, axis, value=0):
 
 
 def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, diag_offset=0, block_q=64,
-                        block_kv=64, stages=2, window=None, softcap=None, head_splits=1, interpret=None):
+                        block_kv=64, stages=2, window=None, softcap=None, head_splits=1, programs=None,
+                        interpret=None):
     """(dq_accum + dQ, dK, dV) of softmax(scale * q k^T [causal, window, soft cap]) v, any L, S >= 1;
     see the module docstring.
 
@@ -552,7 +628,10 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
     unbounded, or None. `softcap`: float or None (lse_log2 must then be the capped forward's).
     `head_splits`: programs per (KV head, key block), each walking Hq / Hk / head_splits of its group's
     query heads (a divisor of the group; more programs for a short GQA grid), whose float32 partial
-    dK, dV are summed here. `interpret`: Mosaic GPU interpret-mode parameters to run on a CPU, or None
+    dK, dV are summed here. `programs`: None for one program per item (2 * block_kv keys of one KV
+    head and split), or the size of a persistent grid (the GPU's multiprocessor count) whose
+    programs walk the items in turn, the query-block ring running on from one to the next.
+    `interpret`: Mosaic GPU interpret-mode parameters to run on a CPU, or None
     to compile for the GPU."""
     _check(q, k, v, do, lse_log2, delta, dq_accum, scale=scale, diag_offset=diag_offset, window=window,
            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages)
@@ -565,7 +644,8 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
     k, v = _pad(k, keys, 1), _pad(v, keys, 1)
     dq, dk, dv = _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, kv_len=s,
-        block_q=block_q, block_kv=block_kv, stages=stages, head_splits=head_splits, interpret=interpret))
+        block_q=block_q, block_kv=block_kv, stages=stages, head_splits=head_splits, programs=programs,
+        interpret=interpret))
     if head_splits > 1:
         dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
     if rows != l:
@@ -577,7 +657,7 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
 
 def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, kv_len=None, diag_offset=0,
                               block_q=64, block_kv=64, stages=2, window=None, softcap=None, head_splits=1,
-                              interpret=None):
+                              programs=None, interpret=None):
     """`flash_backward_mgpu` on whole tiles: L a multiple of block_q, S of 2 * block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding. Padded query rows
     must hold lse_log2 = +inf and delta = 0 (they then add nothing to dK, dV; their dQ is computed
@@ -593,11 +673,11 @@ def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, 
     return _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
         kv_len=int(kv_len), block_q=block_q, block_kv=block_kv, stages=stages, head_splits=head_splits,
-        interpret=interpret))
+        programs=programs, interpret=interpret))
 
 
 def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, block_q, block_kv, stages, head_splits,
-              interpret):
+              programs, interpret):
     """The kernel's static settings for checked arguments on whole tiles."""
     group = q.shape[2] // k.shape[2]
     if not (isinstance(head_splits, int) and head_splits >= 1 and group % head_splits == 0):
@@ -611,20 +691,20 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
+    b, columns, key_blocks = q.shape[0], k.shape[2] * head_splits, k.shape[1] // (COMPUTE_WGS * block_kv)
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, splits=head_splits, num_q_blocks=q.shape[1] // block_q,
+                     items=_Items(batch=b, columns=columns, waves=waves(b * columns * key_blocks, programs)),
                      interpret=interpret)
 
 
 def _launch(q, k, v, do, lse_log2, delta, dq_accum, *, cfg: _Settings):
     """The kernel call on whole tiles (arguments checked)."""
-    b = q.shape[0]
-    s, hk = k.shape[1], k.shape[2]
     interpret = cfg.interpret
-    mesh = plgpu.Mesh(grid=(hk * cfg.splits, s // (COMPUTE_WGS * cfg.block_kv), b),
-                      grid_names=("kv_heads", "kv_blocks", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg")
+    mesh = plgpu.Mesh(grid=(cfg.items.programs,), grid_names=("programs",), num_threads=COMPUTE_WGS + 1,
+                      thread_name="wg")
     if cfg.splits == 1:
         grads_kv = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     else:  # float32 partial sums per split (every element written by one program)

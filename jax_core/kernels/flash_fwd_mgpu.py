@@ -11,7 +11,7 @@ Arrays, (batch, length, heads, head dim) as Mosaic GPU's TMA wants them:
 
 The work is tiles of 2 * block_q query rows of one head. One program (a CUDA block of three
 warpgroups) walks one tile, or, with `programs` (a persistent grid, one program per multiprocessor),
-several in turn (`_Tiles` deals them):
+several in turn (`_Tiles`, dealt by `persistent_waves`):
     * warpgroup 2 (memory) issues TMA copies of each tile's Q and of its K and V blocks into a ring
       of `stages` shared-memory slots; `*_ready` barriers say a slot is filled, `*_free` barriers
       (two arrivals, one per compute warpgroup) say both have read it. The ring runs on from tile
@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
 from .flash_mgpu_checks import check_arrays, check_blocks, check_features, check_tiling, check_whole_tiles
+from .persistent_waves import Waves, waves
 
 LOG2E = math.log2(math.e)
 # The running max starts finite: a fully masked block (all scores -inf) then gives exp2(-inf) = 0
@@ -134,42 +134,31 @@ def _mask(s, i, rows, band, *, on_gpu):
 
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
-    """The work: one tile per (batch, query head, 2 * block_q query rows), walked by `programs`
-    programs (a persistent grid, one per multiprocessor, or one program per tile).
-
-    Tiles are numbered query block by query block, the last rows (the longest causal walks) first,
-    and dealt in waves of `programs`, each wave in the opposite direction of the last: a program
-    that took one of the longest tiles of a wave takes one of the shortest of the next, so that the
-    programs' totals stay level (dealt in one direction, the first program would take the longest
-    tile of every wave: about 10% more work than the last at (1, 16, 16384) causal)."""
+    """The work: one tile per (batch, query head, 2 * block_q query rows), numbered query block by
+    query block, the last rows (the longest causal walks) first, and dealt by `waves` to its
+    programs (a persistent grid, one per multiprocessor, or one program per tile)."""
     batch: int
     heads: int
     q_blocks: int
     rows: int  # query rows per tile
-    programs: int
+    waves: Waves
 
     @property
-    def total(self):
-        return self.batch * self.heads * self.q_blocks
+    def programs(self):
+        return self.waves.programs
 
     @property
     def per_program(self):
         """The most tiles one program walks."""
-        return pl.cdiv(self.total, self.programs)
-
-    def _position(self, program, wave):
-        """`program`'s place in a wave: its index in even waves, counted from the end in odd ones."""
-        return jnp.where(lax.rem(wave, 2) == 0, program, (self.programs - 1) - program)
+        return self.waves.per_program
 
     def count(self, program):
-        """How many tiles `program` walks: one per whole wave, and one of the last, partial wave if
-        its place there is among the tiles left."""
-        waves, left = divmod(self.total, self.programs)
-        return jnp.int32(waves) + (self._position(program, jnp.int32(waves)) < left).astype(jnp.int32)
+        """How many tiles `program` walks."""
+        return self.waves.count(program)
 
     def at(self, program, j):
         """(batch, head, first row) of `program`'s j-th tile (in wave j)."""
-        t = j * self.programs + self._position(program, j)
+        t = self.waves.item(program, j)
         pairs = jnp.int32(self.batch * self.heads)
         q_block = (self.q_blocks - 1) - lax.div(t, pairs)
         pair = lax.rem(t, pairs)
@@ -307,14 +296,9 @@ def _tiles(q_shape, block_q, programs):
     """The `_Tiles` of q (B, L', Hq, D) on whole tiles; `programs`: None (one program per tile) or a
     positive int (at most one per tile is used)."""
     b, l, hq, _ = q_shape
-    rows = COMPUTE_WGS * block_q
-    total = b * hq * pl.cdiv(l, rows)
-    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, numbers.Integral)
-                                 or programs < 1):
-        raise ValueError(f"programs={programs!r}: expected None (one program per tile) or a positive int; "
-                         "hint: the GPU's multiprocessor count makes the grid persistent")
-    return _Tiles(batch=b, heads=hq, q_blocks=pl.cdiv(l, rows), rows=rows,
-                  programs=total if programs is None else min(int(programs), total))
+    q_blocks = pl.cdiv(l, COMPUTE_WGS * block_q)
+    return _Tiles(batch=b, heads=hq, q_blocks=q_blocks, rows=COMPUTE_WGS * block_q,
+                  waves=waves(b * hq * q_blocks, programs))
 
 
 def _checked_band(q, k, v, *, scale, causal, diag_offset, window, softcap, sinks, block_q, block_kv, stages,
