@@ -221,25 +221,34 @@ def hopper_backward_programs(multiprocessors: int) -> Optional[int]:
     return multiprocessors * HOPPER_BACKWARD_PROGRAMS_PER_SM or None
 
 
-#: Fewest programs the Hopper backward's grid gets, per head dim, where the GQA group allows. One
-#: program per (KV head, 128 keys) walks every query head of its group, so with few KV heads the grid
-#: is short and its longest causal walks leave multiprocessors idle. Head dim 128 (H100, causal, (1,
-#: 8192), 16 query heads): 488 TFLOP/s with 16 KV heads (1024 programs), 438 with 8 (512), 275 with 2
-#: (128): four waves of 132. Head dim 64, whose programs walk faster: (1, 8192, 32/8 heads) 353 / 380
-#: / 398 TFLOP/s with 512 / 1024 / 2048 programs, (2, 4096, 32/8) 329 / 351 / 390, (1, 16384, 32/8)
-#: 444 / 442 / 426 with 1024 / 2048 / 4096.
-HOPPER_BACKWARD_MIN_PROGRAMS = {64: 2048, 128: 4 * 132}
+#: Fewest items (2 * block_kv keys of one KV head and head split) the Hopper backward's grid gets
+#: where the GQA group allows, by grid (persistent or one program per item) and head dim. An item
+#: walks every query head of its share of the group, so with few KV heads there are few items and the
+#: longest causal walks leave multiprocessors idle; each split costs float32 partial dK, dV and
+#: their sum. One program per item, H100, causal: head dim 128 at (1, 8192), 16 query heads, 488
+#: TFLOP/s with 16 KV heads (1024 items), 438 with 8 (512), 275 with 2 (128); head dim 64, whose
+#: items walk faster: (1, 8192, 32/8 heads) 353 / 380 / 398 TFLOP/s with 512 / 1024 / 2048 items, (2,
+#: 4096, 32/8) 329 / 351 / 390, (1, 16384, 32/8) 444 / 442 / 426 with 1024 / 2048 / 4096. On the
+#: persistent grid (H200, backward and the splits' sums, µs, BENCHMARKS.md "The backward's
+#: persistent grid"), fewer splits win down to about four items per program: (2, 4096, 32/8 heads,
+#: 64) 807 / 838 / 873 with 1 / 2 / 4 splits (512 items unsplit), (1, 8192, 32/8, 64) 1516 / 1538 /
+#: 1596, (1, 16384, 32/8, 64) 5916 / 6048 with 1 / 2, (1, 8192, 16/8, 128) 1363 / 1433, (1, 8192,
+#: 16/2, 128) 1436 / 1415 / 1410 with 2 / 4 / 8 (256 / 512 / 1024 items).
+HOPPER_BACKWARD_MIN_ITEMS = dict(persistent={64: 512, 128: 512}, per_item={64: 2048, 128: 4 * 132})
 
 
 @functools.lru_cache(maxsize=1024)  # asked per backward call (torch launch): once per signature
-def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: int, head_dim: int) -> int:
+def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: int, head_dim: int,
+                       persistent: bool = True) -> int:
     """`head_splits` of the Hopper backward for `keys` padded keys: the smallest divisor of the GQA group
-    whose grid (batch x KV heads x splits x key blocks) has at least HOPPER_BACKWARD_MIN_PROGRAMS
-    programs at this head dim, or the whole group."""
+    whose items (batch x KV heads x splits x key blocks) number at least HOPPER_BACKWARD_MIN_ITEMS at
+    this head dim on this grid (`persistent`: the persistent grid, else one program per item), or the
+    whole group."""
     group = num_q_heads // num_kv_heads
     blocks = keys // (2 * HOPPER_TILES["backward"][head_dim]["block_kv"])
+    least = HOPPER_BACKWARD_MIN_ITEMS["persistent" if persistent else "per_item"][head_dim]
     for splits in range(1, group):
-        if group % splits == 0 and batch * num_kv_heads * splits * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS[head_dim]:
+        if group % splits == 0 and batch * num_kv_heads * splits * blocks >= least:
             return splits
     return group
 

@@ -93,13 +93,11 @@ def _vjp_backward(settings: _Settings, residuals, cotangents):
     # d lse / d logit is the probability, so an LSE cotangent enters dS = P (dP - delta) as -dlse.
     delta = delta - dlse
     keys = hopper_padded_lengths(q.shape[1], k.shape[1], q.shape[-1], backward=True)[1]
+    # On the GPU a persistent grid, as the forward's; interpreted, one program per key block.
+    programs = None if settings.interpret is not None else hopper_backward_programs(device_multiprocessors(0))
+    splits = hopper_head_splits(q.shape[0], q.shape[2], k.shape[2], keys, q.shape[-1], persistent=programs is not None)
     dq, dk, dv = flash_backward_mgpu(q, k, v, dout, lse_log2, delta, jnp.zeros(q.shape, jnp.float32),
-                                     head_splits=hopper_head_splits(q.shape[0], q.shape[2], k.shape[2], keys,
-                                                                    q.shape[-1]),
-                                     # On the GPU a persistent grid, as the forward's; interpreted, one
-                                     # program per key block.
-                                     programs=None if settings.interpret is not None else hopper_backward_programs(
-                                         device_multiprocessors(0)),
+                                     head_splits=splits, programs=programs,
                                      **settings.kernel_keywords(q.shape[-1], k.shape[1], "backward"))
     dsinks = None if sinks is None else sinks_gradient(sinks, lse, delta).astype(sinks.dtype)
     return dq.astype(q.dtype), dk, dv, dsinks

@@ -101,26 +101,34 @@ def test_calls_tell_the_decision_whether_they_need_gradients(monkeypatch, entry)
     assert seen == [False, True, False]
 
 
-@pytest.mark.parametrize("b, hq, hk, keys, d, want", [
-    (1, 16, 8, 8192, 128, 2),    # 512 programs unsplit: two splits give 1024
-    (1, 16, 2, 8192, 128, 8),    # 128 programs: the whole group of 8
-    (4, 16, 2, 8192, 128, 2),    # 512: 2
-    (1, 16, 8, 16384, 128, 1),   # 1024 programs already
-    (1, 16, 16, 128, 64, 1),     # no GQA: nothing to split
-    (1, 32, 8, 4096, 128, 4),    # 256 programs: the whole group of 4 (1024)
-    (1, 32, 8, 8192, 64, 4),     # head dim 64 wants 2048: 512 programs unsplit, the whole group of 4
-    (1, 32, 8, 16384, 64, 2),    # 1024 unsplit: two splits give 2048
-    (1, 32, 8, 32768, 64, 1),    # 2048 already
+@pytest.mark.parametrize("persistent, b, hq, hk, keys, d, want", [
+    # the persistent grid: at least 512 items (about four per program)
+    (True, 1, 16, 8, 8192, 128, 1),    # 512 items unsplit
+    (True, 1, 16, 2, 8192, 128, 4),    # 128 unsplit: four splits give 512
+    (True, 1, 32, 8, 4096, 128, 2),    # 256: two splits give 512
+    (True, 1, 32, 8, 8192, 64, 1),     # model B's shapes: 512 unsplit
+    (True, 2, 32, 8, 4096, 64, 1),
+    (True, 1, 16, 16, 128, 64, 1),     # no GQA: nothing to split
+    (True, 1, 32, 8, 1024, 64, 4),     # 64 items: the whole group of 4 (256)
+    # one program per item: head dim 128 wants 528 programs, head dim 64 2048
+    (False, 1, 16, 8, 8192, 128, 2),   # 512 programs unsplit: two splits give 1024
+    (False, 1, 16, 2, 8192, 128, 8),   # 128 programs: the whole group of 8
+    (False, 4, 16, 2, 8192, 128, 2),   # 512: 2
+    (False, 1, 16, 8, 16384, 128, 1),  # 1024 programs already
+    (False, 1, 32, 8, 4096, 128, 4),   # 256 programs: the whole group of 4 (1024)
+    (False, 1, 32, 8, 8192, 64, 4),    # head dim 64 wants 2048: 512 programs unsplit, the whole group of 4
+    (False, 1, 32, 8, 16384, 64, 2),   # 1024 unsplit: two splits give 2048
+    (False, 1, 32, 8, 32768, 64, 1),   # 2048 already
 ])
-def test_the_hopper_backward_splits_short_gqa_grids(b, hq, hk, keys, d, want):
-    from jaxattn.jax_core.calls import HOPPER_BACKWARD_MIN_PROGRAMS, hopper_head_splits
+def test_the_hopper_backward_splits_short_gqa_grids(persistent, b, hq, hk, keys, d, want):
+    from jaxattn.jax_core.calls import HOPPER_BACKWARD_MIN_ITEMS, hopper_head_splits
 
-    got = hopper_head_splits(b, hq, hk, keys, d)
+    got = hopper_head_splits(b, hq, hk, keys, d, persistent=persistent)
     assert got == want
     group, blocks = hq // hk, keys // 128
     assert group % got == 0
-    assert b * hk * got * blocks >= HOPPER_BACKWARD_MIN_PROGRAMS[d] or got == group
-
+    least = HOPPER_BACKWARD_MIN_ITEMS["persistent" if persistent else "per_item"][d]
+    assert b * hk * got * blocks >= least or got == group
 
 
 @pytest.mark.parametrize("d, s, backward, want_block_kv, want_keys", [

@@ -253,7 +253,8 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
     lse_log2, delta = torch.empty((2, batch, heads, rows), dtype=torch.float32, device=q.device).unbind(0)
     accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)
     backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
-    splits = calls.hopper_head_splits(batch, heads, kk.shape[2], keys, q.shape[-1])
+    splits = calls.hopper_head_splits(batch, heads, kk.shape[2], keys, q.shape[-1],
+                                      persistent=backward_programs(q.device) is not None)
     dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_backward_static(cfg, s, q.device, splits))
     if splits > 1:  # dK, dV as the splits' float32 partial sums
         dq, dk, dv = backward_results(dq, dk, dv, q.dtype)

@@ -64,7 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
 from .flash_mgpu_checks import (check_arrays, check_backward_operands, check_blocks, check_features,
                                 check_whole_tiles)
-from .persistent_waves import Waves, waves
+from .persistent_waves import DealtWork, Waves, waves
 
 LOG2E = math.log2(math.e)
 
@@ -175,7 +175,8 @@ def _q_range(kv_start, cfg):
     return _Walk(first, full_lo, full_hi, end - first)
 
 
-class _Items(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Items(DealtWork):
     """The work: one item per (batch, KV head, split, 2 * block_kv keys), numbered key block by key
     block, the first keys (the longest causal walks) first, and dealt by `waves` to the programs (a
     persistent grid, one per multiprocessor, or one program per item)."""
@@ -183,20 +184,10 @@ class _Items(NamedTuple):
     columns: int  # KV heads times splits
     waves: Waves
 
-    @property
-    def programs(self):
-        return self.waves.programs
-
-    def count(self, program):
-        """How many items `program` walks."""
-        return self.waves.count(program)
-
     def at(self, program, j):
         """(batch, column, key block) of `program`'s j-th item (in wave j)."""
-        t = self.waves.item(program, j)
-        pairs = jnp.int32(self.batch * self.columns)
-        pair = lax.rem(t, pairs)
-        return lax.div(pair, jnp.int32(self.columns)), lax.rem(pair, jnp.int32(self.columns)), lax.div(t, pairs)
+        key_block, batch, column = self.block_batch_column(program, j, self.batch, self.columns)
+        return batch, column, key_block
 
 
 class _Settings(NamedTuple):

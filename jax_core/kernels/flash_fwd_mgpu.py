@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
 from .flash_mgpu_checks import check_arrays, check_blocks, check_features, check_tiling, check_whole_tiles
-from .persistent_waves import Waves, waves
+from .persistent_waves import DealtWork, Waves, waves
 
 LOG2E = math.log2(math.e)
 # The running max starts finite: a fully masked block (all scores -inf) then gives exp2(-inf) = 0
@@ -133,7 +133,7 @@ def _mask(s, i, rows, band, *, on_gpu):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tiles:
+class _Tiles(DealtWork):
     """The work: one tile per (batch, query head, 2 * block_q query rows), numbered query block by
     query block, the last rows (the longest causal walks) first, and dealt by `waves` to its
     programs (a persistent grid, one per multiprocessor, or one program per tile)."""
@@ -143,26 +143,10 @@ class _Tiles:
     rows: int  # query rows per tile
     waves: Waves
 
-    @property
-    def programs(self):
-        return self.waves.programs
-
-    @property
-    def per_program(self):
-        """The most tiles one program walks."""
-        return self.waves.per_program
-
-    def count(self, program):
-        """How many tiles `program` walks."""
-        return self.waves.count(program)
-
     def at(self, program, j):
         """(batch, head, first row) of `program`'s j-th tile (in wave j)."""
-        t = self.waves.item(program, j)
-        pairs = jnp.int32(self.batch * self.heads)
-        q_block = (self.q_blocks - 1) - lax.div(t, pairs)
-        pair = lax.rem(t, pairs)
-        return lax.div(pair, jnp.int32(self.heads)), lax.rem(pair, jnp.int32(self.heads)), q_block * self.rows
+        block, batch, head = self.block_batch_column(program, j, self.batch, self.heads)
+        return batch, head, ((self.q_blocks - 1) - block) * self.rows
 
 
 def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, interpret):

@@ -44,6 +44,32 @@ class Waves(NamedTuple):
         return j * self.programs + self._position(program, j)
 
 
+class DealtWork:
+    """What a kernel's work description (a frozen dataclass with a `waves` field that deals its
+    items) answers about its programs."""
+
+    @property
+    def programs(self) -> int:
+        return self.waves.programs
+
+    @property
+    def per_program(self) -> int:
+        """The most items one program walks."""
+        return self.waves.per_program
+
+    def count(self, program):
+        """How many items `program` walks."""
+        return self.waves.count(program)
+
+    def block_batch_column(self, program, j, batch, columns):
+        """(block, batch index, column) of `program`'s j-th item, for items numbered block by block
+        and, within a block, batch by batch over `columns` columns (heads)."""
+        t = self.waves.item(program, j)
+        pairs = jnp.int32(batch * columns)
+        pair = lax.rem(t, pairs)
+        return lax.div(t, pairs), lax.div(pair, jnp.int32(columns)), lax.rem(pair, jnp.int32(columns))
+
+
 def waves(total: int, programs: Optional[int]) -> Waves:
     """`Waves` of `total` items; `programs`: None (one program per item) or a positive int (at most
     one per item is used). Raises ValueError naming `programs` otherwise."""
