@@ -1,0 +1,187 @@
+"""The Hopper kernels alone (Pallas Mosaic GPU, `jax.jit` on JAX arrays): the backward on one program
+per item against its persistent grid, the backward by GQA head splits, and the head-dim-64 forward by
+key-block size, each against torch's cuDNN backend in the same process where it applies.
+
+    python benchmarks/hopper_kernels_gpu.py [--out hopper_kernels.json] [--part grids|splits|forward-tiles]
+
+Rows, causal bf16:
+    * "grids": the backward (`flash_backward_mgpu_tiles`, the tuned tiles and head splits) with
+      `programs` None (one program per item) and the SM count (persistent), and torch cuDNN's backward
+      (autograd.grad of a retained graph) on the same shape;
+    * "splits": the backward on the persistent grid plus the float32 partial sums of the head splits,
+      by splits, at GQA shapes (`calls.HOPPER_BACKWARD_MIN_ITEMS`);
+    * "forward-tiles": the forward on the persistent grid by (block_kv, stages), head dims 64 and 128
+      at short lengths (`calls.HOPPER_FORWARD_SHORT`).
+The residuals the backward reads come from our forward. Timing: `gpu_timing.time_jax` (back-to-back
+calls, then block_until_ready) and `time_torch`, three rounds of the variants in turn, median.
+TFLOP/s count the causal forward as 2*B*H*L*L*D and the backward as 2.5 times that. Each backward
+variant's gradients are compared with the first variant's (max abs difference; dQ's float32 adds
+come in another order, the rest is equal to the bit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+
+import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gpu_timing import time_jax, time_torch
+from jaxattn.jax_core import calls
+from jaxattn.jax_core.kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu_tiles
+from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
+
+# (B, L, Hq, Hk, D)
+GRID_SHAPES = [(1, 16384, 16, 16, 128), (2, 8192, 16, 16, 128), (8, 1024, 16, 16, 128), (1, 8192, 16, 8, 128),
+               (4, 4096, 16, 16, 64), (8, 2048, 16, 16, 64), (16, 1024, 16, 16, 64), (2, 4096, 32, 8, 64)]
+SPLIT_SHAPES = [((2, 4096, 32, 8, 64), (1, 2, 4)), ((1, 8192, 32, 8, 64), (1, 2, 4)),
+                ((1, 16384, 32, 8, 64), (1, 2)), ((1, 8192, 16, 8, 128), (1, 2)), ((1, 8192, 16, 2, 128), (2, 4, 8))]
+TILE_SHAPES = [(16, 1024, 16, 64), (8, 2048, 16, 64), (4, 4096, 16, 64), (8, 1024, 16, 128)]
+TILES = [(256, 2), (128, 2), (128, 3), (128, 4), (64, 2), (64, 4)]
+
+
+def causal_flops(b, h, l, d):
+    return 2 * b * h * l * l * d
+
+
+def sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def timed(fns: dict, flops: float, rounds=3) -> dict:
+    """{name: (median µs, TFLOP/s, per-round µs)}, the variants timed in turn, `rounds` times."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_jax(fn, iters=10, repeats=3))
+    return {name: (statistics.median(t), flops / statistics.median(t) / 1e6, [round(x, 1) for x in t])
+            for name, t in times.items()}
+
+
+def backward_inputs(b, l, hq, hk, d):
+    """q, k, v, do (B, L, H, D) bf16 and the backward's row operands from our forward."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, do = (jax.random.normal(key, (b, l, hq, d), jnp.bfloat16) for key in keys[:2])
+    k, v = (jax.random.normal(key, (b, l, hk, d), jnp.bfloat16) for key in keys[2:])
+    forward = functools.partial(calls.flash_hopper, scale=d ** -0.5, causal=True, diag_offset=0, programs=sms())
+    out, lse = jax.jit(forward)(q, k, v)
+    lse_log2, delta = jax.jit(backward_operands)(out, do, lse)
+    return q, k, v, do, lse_log2, delta, jnp.zeros(q.shape, jnp.float32)
+
+
+def cudnn_backward_us(b, l, hq, hk, d):
+    q, do = (torch.randn(b, hq, l, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hk, l, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=hq != hk)
+        return time_torch(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), iters=10)
+
+
+def backward_fn(shape, splits, programs):
+    """A jitted backward of whole tiles with the splits' partial sums, and its arguments."""
+    b, l, hq, hk, d = shape
+
+    def run(q, k, v, do, lse_log2, delta, accum):
+        dq, dk, dv = flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, accum, scale=d ** -0.5, causal=True,
+                                               head_splits=splits, programs=programs,
+                                               **calls.hopper_tiles("backward", d, l))
+        if splits > 1:
+            dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
+        return dq, dk, dv
+    return jax.jit(run)
+
+
+def compare(variants: dict, args) -> dict:
+    """{name: callable} of the variants, each run once and compared with the first (printed)."""
+    fns, first = {}, None
+    for name, fn in variants.items():
+        got = jax.block_until_ready(fn(*args))
+        first = got if first is None else first
+        diff = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32)))) for a, r in zip(got, first)]
+        print(f"    {name}: max abs difference from {next(iter(variants))} (dq, dk, dv) {diff}", flush=True)
+        fns[name] = functools.partial(fn, *args)
+    return fns
+
+
+def grids(rows):
+    for shape in GRID_SHAPES:
+        b, l, hq, hk, d = shape
+        splits = calls.hopper_head_splits(b, hq, hk, l, d)
+        args = backward_inputs(*shape)
+        fns = compare({"programs=None": backward_fn(shape, splits, None),
+                       f"programs={sms()}": backward_fn(shape, splits, sms())}, args)
+        result = timed(fns, 2.5 * causal_flops(b, hq, l, d))
+        cudnn = cudnn_backward_us(*shape)
+        row = dict(part="grids", shape=list(shape), head_splits=splits, cudnn_us=cudnn,
+                   variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()})
+        rows.append(row)
+        print(f"{shape} splits {splits}: " + " | ".join(f"{n} {us:.1f} us {tf:.1f} TF" for n, (us, tf, _) in
+                                                      result.items()) + f" | cudnn {cudnn:.1f} us", flush=True)
+
+
+def splits(rows):
+    for shape, options in SPLIT_SHAPES:
+        b, l, hq, hk, d = shape
+        args = backward_inputs(*shape)
+        fns = compare({f"splits={n}": backward_fn(shape, n, sms()) for n in options}, args)
+        result = timed(fns, 2.5 * causal_flops(b, hq, l, d))
+        policy = calls.hopper_head_splits(b, hq, hk, l, d)
+        rows.append(dict(part="splits", shape=list(shape), policy=policy,
+                         variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()}))
+        print(f"{shape} policy {policy}: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items()),
+              flush=True)
+
+
+def forward_tiles(rows):
+    for shape in TILE_SHAPES:
+        b, l, h, d = shape
+        keys = jax.random.split(jax.random.key(1), 3)
+        q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+        fns = {}
+        for block_kv, stages in TILES:
+            fn = jax.jit(functools.partial(flash_forward_mgpu_tiles, scale=d ** -0.5, causal=True, block_q=64,
+                                           block_kv=block_kv, stages=stages, programs=sms()))
+            try:
+                jax.block_until_ready(fn(q, k, v))
+            except ValueError as exc:  # shared memory: the kernel's own check says so
+                print(f"{shape} block_kv={block_kv} stages={stages}: {str(exc).splitlines()[0][:160]}", flush=True)
+                continue
+            fns[f"block_kv={block_kv} stages={stages}"] = functools.partial(fn, q, k, v)
+        result = timed(fns, causal_flops(b, h, l, d))
+        rows.append(dict(part="forward-tiles", shape=list(shape), chosen=calls.hopper_tiles("forward", d, l),
+                         variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()}))
+        print(f"{shape}: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items()), flush=True)
+
+
+PARTS = {"grids": grids, "splits": splits, "forward-tiles": forward_tiles}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--part", choices=sorted(PARTS), action="append",
+                        help="one part (repeatable); default all three")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
+    rows = []
+    for part in args.part or list(PARTS):
+        PARTS[part](rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, jax=jax.__version__,
+                           rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
