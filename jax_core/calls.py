@@ -239,16 +239,18 @@ HOPPER_BACKWARD_MIN_ITEMS = dict(persistent={64: 512, 128: 512}, per_item={64: 2
 
 @functools.lru_cache(maxsize=1024)  # asked per backward call (torch launch): once per signature
 def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: int, head_dim: int,
-                       persistent: bool = True) -> int:
-    """`head_splits` of the Hopper backward for `keys` padded keys: the smallest divisor of the GQA group
-    whose items (batch x KV heads x splits x key blocks) number at least HOPPER_BACKWARD_MIN_ITEMS at
-    this head dim on this grid (`persistent`: the persistent grid, else one program per item), or the
-    whole group."""
-    group = num_q_heads // num_kv_heads
+                       persistent: bool = True, kv_batch: Optional[int] = None) -> int:
+    """`head_splits` of the Hopper backward for `keys` padded keys: the smallest divisor of the query
+    (batch, head) pairs per KV pair (the GQA group, times batch / kv_batch where (batch, head) pairs
+    are folded into the batch; `kv_batch` None: the batch) whose items (KV batch x KV heads x splits x
+    key blocks) number at least HOPPER_BACKWARD_MIN_ITEMS at this head dim on this grid (`persistent`:
+    the persistent grid, else one program per item), or all of them."""
+    kv_batch = batch if kv_batch is None else kv_batch
+    group = num_q_heads // num_kv_heads * (batch // kv_batch)
     blocks = keys // (2 * HOPPER_TILES["backward"][head_dim]["block_kv"])
     least = HOPPER_BACKWARD_MIN_ITEMS["persistent" if persistent else "per_item"][head_dim]
     for splits in range(1, group):
-        if group % splits == 0 and batch * num_kv_heads * splits * blocks >= least:
+        if group % splits == 0 and kv_batch * num_kv_heads * splits * blocks >= least:
             return splits
     return group
 

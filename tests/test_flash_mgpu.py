@@ -167,6 +167,28 @@ def test_persistent_grid_against_float64_oracle(b, l, s, hq, hk, kw, request):
     assert empty.any() == request.node.callspec.id.endswith("-empty")
 
 
+def _fold(x):
+    """(B, T, H, D) -> (B * H, T, 1, D): (batch, head) pairs folded into the batch."""
+    b, t, h, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b * h, t, 1, d)
+
+
+@pytest.mark.parametrize("programs", [None, 3], ids=["per-tile", "persistent"])
+def test_gqa_folded_into_the_batch_against_float64_oracle(programs):
+    """(batch, head) pairs folded into the batch with GQA (as the torch launcher passes contiguous
+    (B, H, T, D) memory): q (B * Hq, L, 1, D) reads k, v (B * Hk, S, 1, D), query pair b * Hq + h
+    the KV pair b * Hk + h // (Hq / Hk)."""
+    rng = np.random.default_rng()
+    b, l, s, hq, hk, d = 2, 200, 260, 4, 2, 64
+    q, k, v = _inputs(rng, b, l, s, hq, hk, d, jnp.float16)
+    scale = 0.8 / d ** 0.5
+    out, lse = _run(_fold(q), _fold(k), _fold(v), scale=scale, causal=True, diag_offset=s - l, window=(40, -1),
+                    programs=programs)
+    assert out.shape == (b * hq, l, 1, d) and lse.shape == (b * hq, 1, l)
+    out = out.reshape(b, hq, l, d).transpose(0, 2, 1, 3)
+    _check(q, k, v, out, lse.reshape(b, hq, l), scale=scale, causal=True, alignment="bottom_right", window=(40, -1))
+
+
 @pytest.mark.thorough
 @pytest.mark.parametrize("l, s, alignment, window, causal", feature_grid())
 @pytest.mark.parametrize("extras", [{}, dict(softcap=3.0, sinks=True)], ids=["plain", "softcap-sinks"])
@@ -251,6 +273,29 @@ def test_lowers_for_hopper(kw, lengths):
         return flash_forward_mgpu(q, k, v, scale=0.1, sinks=sinks, **kw)
     text = jax.jit(forward).trace(q, k, k, sinks).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("programs", [None, 132], ids=["per-tile", "persistent"])
+def test_gqa_folded_into_the_batch_lowers_for_hopper(programs):
+    """The folded batches (q (B * Hq, L, 1, D) reading k, v (B * Hk, S, 1, D)) lower too, sinks per query
+    pair included (the torch launcher's whole-tile call)."""
+    q = jax.ShapeDtypeStruct((8, 256, 1, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 384, 1, 128), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((8, 1), jnp.float32)
+
+    def forward(q, k, v, sinks):
+        return flash_forward_mgpu_tiles(q, k, v, scale=0.1, causal=True, window=(100, 0), sinks=sinks,
+                                        programs=programs)
+    text = jax.jit(forward).trace(q, k, k, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def test_a_kv_batch_that_does_not_divide_the_query_batch_is_rejected():
+    q = jnp.zeros((3, 128, 2, 64), jnp.float16)
+    k = jnp.zeros((2, 256, 2, 64), jnp.float16)
+    with pytest.raises(ValueError, match=r"k.shape=\(2, 256, 2, 64\), v.shape=\(2, 256, 2, 64\): expected both "
+                                         r"\(Bk, S, Hk, D=64\) with Bk dividing q's batch B=3; hint"):
+        flash_forward_mgpu(q, k, k, scale=0.1, causal=True)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -220,9 +220,40 @@ def test_features_against_float64_oracle(b, l, s, hq, hk, kw, request):
     assert empty.any() == request.node.callspec.id.endswith("-empty")  # the empty-row cases have some
 
 
+def _fold(x):
+    """(B, H, T, D) torch -> (B * H, T, 1, D) JAX: (batch, head) pairs folded into the batch."""
+    b, h, t, d = x.shape
+    return jnp.asarray(x.reshape(b * h, t, 1, d).float().numpy(), jnp.float16)
+
+
+@pytest.mark.parametrize("d, block_q, head_splits, programs", [
+    pytest.param(64, 64, 1, None, id="d64"),
+    pytest.param(64, 128, 2, 3, id="d64-dq-rows-splits-persistent"),
+    pytest.param(128, 64, 4, 3, id="d128-dq-columns-splits-persistent"),
+])
+def test_gqa_folded_into_the_batch_against_float64_oracle(d, block_q, head_splits, programs):
+    """(batch, head) pairs folded into the batch with GQA (the torch launcher's contiguous (B, H, T, D)
+    memory): q, do (B * Hq, L, 1, D), k, v (B * Hk, S, 1, D); query pair b * Hq + h reads KV pair
+    b * Hk + h // (Hq / Hk), and head splits share a KV pair's query pairs."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    b, l, s, hq, hk = 2, 150, 230, 4, 1
+    q, k, v, do = _inputs(gen, b, l, s, hq, hk, d, torch.float16)
+    scale = 0.8 / d ** 0.5
+    kw = dict(causal=True, alignment="bottom_right", scale=scale)
+    out, lse, (dq, dk, dv, _, _) = reference_grads(q, k, v, do, **kw)
+    low = _low_grads(q, k, v, do, torch.float16, **kw)
+    lse_log2, delta = backward_operands(_fold(out), _fold(do), jnp.asarray(lse.float().numpy()).reshape(b * hq, 1, l))
+    got = flash_backward_mgpu(_fold(q), _fold(k), _fold(v), _fold(do), lse_log2, delta,
+                              jnp.zeros((b * hq, l, 1, d), jnp.float32), scale=scale, causal=True, diag_offset=s - l,
+                              block_q=block_q, head_splits=head_splits, programs=programs, interpret=interpret_params())
+    for name, ours, want, theirs, heads in zip(("dq", "dk", "dv"), got, (dq, dk, dv), low[:3], (hq, hk, hk)):
+        ours = torch.from_numpy(np.array(ours.astype(jnp.float32), np.float64)).reshape(b, heads, -1, d)
+        assert_dtype_rule(name, ours, want, theirs.double(), floor=4e-3)
+
+
 @pytest.mark.parametrize("keys, kw, match", [
-    (128, dict(head_splits=3), r"head_splits=3: expected a positive divisor of the GQA group \(Hq / Hk = 4\); "
-                               r"hint: 1 walks"),
+    (128, dict(head_splits=3), r"head_splits=3: expected a positive divisor of the query heads per KV head "
+                               r"\(Hq / Hk = 4, times query batches per KV batch 1\); hint: 1 walks"),
     # split partial dK, dV leave through the dQ staging tile, (64, 64) here: 128-key blocks do not fit
     (256, dict(head_splits=2, block_kv=128), r"head_splits=2 with block_q=64, block_kv=128, head dim 64: expected a "
                                              r"dQ staging tile of block_kv rows \(it has 64;.*hint: block_q == block_kv"),
@@ -392,16 +423,20 @@ def test_lowers_for_hopper(kw, d, block_q, lengths):
     assert text.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("layout", ["heads", "folded"])
 @pytest.mark.parametrize("d, block_q", [(64, 64), (64, 128), (128, 64)], ids=["d64", "d64-dq-rows", "d128"])
-def test_persistent_grid_lowers_for_hopper(d, block_q):
-    """The persistent grid (`programs`) lowers too, with every feature, on every dQ path."""
-    q = jax.ShapeDtypeStruct((2, 256, 4, d), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, 384, 2, d), jnp.bfloat16)
-    rows = jax.ShapeDtypeStruct((2, 4, 256), jnp.float32)
+def test_persistent_grid_lowers_for_hopper(d, block_q, layout):
+    """The persistent grid (`programs`) lowers too, with every feature, on every dQ path, with GQA in
+    the heads or folded into the batch (q (B * Hq, L, 1, D), k (B * Hk, S, 1, D)), head splits included."""
+    if layout == "heads":
+        q, k = jax.ShapeDtypeStruct((2, 256, 4, d), jnp.bfloat16), jax.ShapeDtypeStruct((2, 384, 2, d), jnp.bfloat16)
+    else:
+        q, k = jax.ShapeDtypeStruct((8, 256, 1, d), jnp.bfloat16), jax.ShapeDtypeStruct((4, 384, 1, d), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], 256), jnp.float32)
 
     def backward(q, k, v, do, lse, delta, acc):
         return flash_backward_mgpu(q, k, v, do, lse, delta, acc, scale=0.1, block_q=block_q, causal=True,
-                                   softcap=3.0, window=(9, 2), programs=132)
+                                   softcap=3.0, window=(9, 2), programs=132, head_splits=2)
     text = jax.jit(backward).trace(q, k, k, q, rows, rows, jax.ShapeDtypeStruct(q.shape, jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1

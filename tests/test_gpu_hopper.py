@@ -130,9 +130,9 @@ def test_torch_launch_against_float64_oracle_interpreted(monkeypatch, b, hq, hk,
 
 
 def test_kernel_views_copy_only_partial_tiles():
-    """Whole tiles pass as views of the inputs' memory (folded (B, H, T, D), or (B, L, H, D) seen
-    transposed); a length short of a tile takes one copy, zero past the true rows, and the results
-    come back as views of the true rows."""
+    """Whole tiles pass as views of the inputs' memory (folded (B, H, T, D), GQA included, or (B, L,
+    H, D) seen transposed); a length short of a tile takes one copy, zero past the true rows, and the
+    results come back as views of the true rows."""
     x = torch.randn(2, 3, 256, 8)
     (view,), folded = hopper_flash._kernel_views((x,), (256,))
     assert folded and view.data_ptr() == x.data_ptr() and view.shape == (6, 256, 1, 8)
@@ -144,9 +144,14 @@ def test_kernel_views_copy_only_partial_tiles():
     assert folded and padded.shape == (6, 128, 1, 8)
     back = hopper_flash._torch_view(padded, short, folded)
     assert torch.equal(back, short) and padded.view(2, 3, 128, 8)[:, :, 97:].eq(0).all()
+    # GQA in contiguous (B, H, T, D) memory folds too (the kernels map the batches: `batch_group`)
     (padded, kv), folded = hopper_flash._kernel_views((short, torch.randn(2, 1, 97, 8)), (128, 128))
+    assert folded and padded.shape == (6, 128, 1, 8) and kv.shape == (2, 128, 1, 8)
+    # memory neither contiguous nor (B, L, H, D) seen transposed: one copy to (B, T', H, D)
+    odd = torch.randn(2, 97, 8, 3).permute(0, 3, 1, 2)
+    (padded,), folded = hopper_flash._kernel_views((odd,), (128,))
     assert not folded and padded.shape == (2, 128, 3, 8) and padded[:, 97:].eq(0).all()
-    assert torch.equal(hopper_flash._torch_view(padded, short, folded), short)
+    assert torch.equal(hopper_flash._torch_view(padded, odd, folded), odd)
 
 
 def _math(q, k, v, causal, dtype, gqa):
@@ -342,7 +347,7 @@ def test_calls_a_program_runs_take_the_hopper_kernels_from_shorter_lengths(monke
     assert reasons(8, 16, 4, 1024, 128, "BLHD") == [] and reasons(8, 16, 16, 1024, 128, grad=False) == []
     short = "below 4096"
     assert any(short in r for r in reasons(8, 16, 16, 1000, 128))  # a partial tile: padded copies
-    assert any(short in r for r in reasons(8, 16, 4, 1024, 128))  # GQA in (B, H, T, D) memory: copied
+    assert reasons(8, 16, 4, 1024, 128) == []  # GQA in (B, H, T, D) memory: folded into the batch, in place
     assert any(short in r for r in reasons(2, 16, 16, 1024, 128))  # host-bound either way
     assert any(short in r for r in reasons(16, 16, 16, 1024, 64, grad=False))  # head dim 64 forward: 2048
     assert reasons(8, 16, 16, 2048, 64, grad=False) == []

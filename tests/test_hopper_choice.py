@@ -149,6 +149,24 @@ def test_the_hopper_forward_takes_shorter_key_blocks_for_short_head_dim_64_walks
     # The padded length chooses the same tiles as the true one (the kernel sees the padded keys).
     assert hopper_tiles(which, d, want_keys) == hopper_tiles(which, d, s)
 
+@pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_contiguous_heads_first_memory_folds_into_the_batch_without_a_copy(hq, hk):
+    """Contiguous (B, H, T, D) memory, GQA included, reaches the kernels as (B*H, T, 1, D) views of the
+    same storage; the kernels map query pair b*Hq + h to KV pair (b*Hq + h) // (Hq/Hk) = b*Hk + h // (Hq/Hk)."""
+    from jaxattn.jax_core.kernels.flash_mgpu_checks import batch_group
+
+    q = torch.randn(2, hq, 256, 64)
+    k, v = torch.randn(2, hk, 384, 64), torch.randn(2, hk, 384, 64)
+    (kq, kk, kv), folded = hopper_flash._kernel_views((q, k, v), (256, 384, 384))
+    assert folded
+    assert [t.shape for t in (kq, kk, kv)] == [(2 * hq, 256, 1, 64), (2 * hk, 384, 1, 64), (2 * hk, 384, 1, 64)]
+    assert [t.data_ptr() for t in (kq, kk, kv)] == [t.data_ptr() for t in (q, k, v)]
+    group = batch_group(kq, kk)
+    for b in range(2):
+        for h in range(hq):
+            assert torch.equal(kk[(b * hq + h) // group, :, 0], k[b, h // (hq // hk)])
+
+
 def _spy_hopper_kernels(monkeypatch) -> list:
     """Which Hopper kernels run (their names, in order), each still launching."""
     ran = []

@@ -170,12 +170,12 @@ def hopper_launch_reasons(inputs: AttentionInputs, device: torch.device, *, grad
 
 def _kernel_views(tensors: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) -> tuple[list[torch.Tensor], bool]:
     """(B, H, T, D) tensors as the kernels' (batch, T', heads, D) arrays of T' = `lengths` rows (whole
-    tiles), and whether they were folded: (B, H, T, D) memory itself, with equal head counts, passes as
-    (B*H, T', 1, D) (attention per (batch, head) pair); (B, T, H, D) memory seen transposed passes as
-    is; anything else is copied to (B, T', H, D). No copy where T = T' and the memory fits; otherwise
-    one copy, into a buffer whose rows T.. are zeros."""
-    heads = {t.shape[1] for t in tensors}
-    if len(heads) == 1 and all(t.is_contiguous() for t in tensors):
+    tiles), and whether they were folded: (B, H, T, D) memory itself passes as (B*H, T', 1, D)
+    (attention per (batch, head) pair; with GQA the kernels read KV pair b*Hk + h // (Hq/Hk) =
+    (b*Hq + h) // (Hq/Hk) for query pair b*Hq + h, `flash_mgpu_checks.batch_group`); (B, T, H, D)
+    memory seen transposed passes as is; anything else is copied to (B, T', H, D). No copy where
+    T = T' and the memory fits; otherwise one copy, into a buffer whose rows T.. are zeros."""
+    if all(t.is_contiguous() for t in tensors):
         return [_padded(t, n, 2).reshape(t.shape[0] * t.shape[1], n, 1, t.shape[3])
                 for t, n in zip(tensors, lengths)], True
     return [_padded(t.transpose(1, 2), n, 1).contiguous() for t, n in zip(tensors, lengths)], False
@@ -254,7 +254,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
     accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)
     backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], keys, q.shape[-1],
-                                      persistent=backward_programs(q.device) is not None)
+                                      persistent=backward_programs(q.device) is not None, kv_batch=kk.shape[0])
     dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_backward_static(cfg, s, q.device, splits))
     if splits > 1:  # dK, dV as the splits' float32 partial sums
         dq, dk, dv = backward_results(dq, dk, dv, q.dtype)

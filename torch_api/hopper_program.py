@@ -9,7 +9,7 @@ the passes through `cuLaunchKernel`. The same compiled kernels run with the same
 results are the Python path's, bit for bit.
 
 A signature gets a program where no copy is taken: whole tiles (no padding) and inputs the kernels
-read in place (contiguous (B, H, T, D) memory with equal head counts, or (B, T, H, D) memory seen
+read in place (contiguous (B, H, T, D) memory, GQA included, or (B, T, H, D) memory seen
 transposed). The forward-only program is registered after the signature's first call without
 gradients; the training program after its first backward. The gradient of the output is read in
 the output's own layout (another layout is copied into it, as the Python path does).
@@ -74,7 +74,7 @@ def in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) 
     if backward and calls.hopper_padded_lengths(l, s, d, backward=True) != (l, s):
         return False
     tensors = (q, k, v)
-    if len({t.shape[1] for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors):
+    if all(t.is_contiguous() for t in tensors):  # (batch, head) pairs folded, with or without GQA
         return True
     return all(t.transpose(1, 2).is_contiguous() for t in tensors)
 
@@ -167,7 +167,8 @@ def _register_train(q, k, v, cfg, saved, kernel_inputs, folded, common, saved_bu
     # The operands pass reads dO in out's layout, which the program's gradient layout is.
     operands = _hopper.operands_launch(out_t, out_t, lse_t, accum, rows, folded)
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], kk.shape[1], q.shape[-1],
-                                      persistent=_hopper.backward_programs(q.device) is not None)
+                                      persistent=_hopper.backward_programs(q.device) is not None,
+                                      kv_batch=kk.shape[0])
     rows_meta = torch.empty((batch, heads, rows), dtype=f32, device="meta")
     backward = _hopper._BACKWARD.host_launch((*_meta(kq, kk, kv, kq), rows_meta, rows_meta.clone(), accum),
                                              _hopper._backward_static(cfg, k.shape[2], q.device, splits))

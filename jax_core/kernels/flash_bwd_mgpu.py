@@ -3,7 +3,8 @@
 The forward is `flash_fwd_mgpu.py`; this kernel takes its LSE. Imports only JAX.
 
 Arrays, (batch, length, heads, head dim) as TMA wants them:
-    q, do (B, L, Hq, D); k, v (B, S, Hk, D); bf16 or fp16, D 64 or 128; GQA as in the forward.
+    q, do (B, L, Hq, D); k, v (B, S, Hk, D); bf16 or fp16, D 64 or 128; GQA as in the forward, the
+        folded batches too (k, v (Bk, S, Hk, D), query batch b reading KV batch b // (B / Bk)).
     lse_log2 (B, Hq, L) float32: the forward's LSE times log2(e), +inf for a row that saw no key
         (so that its probabilities are exp2(s - inf) = 0, not NaN); `backward_operands` makes it.
     delta (B, Hq, L) float32: rowsum(dO * O), from `backward_operands`.
@@ -62,7 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
-from .flash_mgpu_checks import (check_arrays, check_backward_operands, check_blocks, check_features,
+from .flash_mgpu_checks import (batch_group, check_arrays, check_backward_operands, check_blocks, check_features,
                                 check_whole_tiles)
 from .persistent_waves import DealtWork, Waves, waves
 
@@ -205,7 +206,8 @@ class _Settings(NamedTuple):
     block_kv: int
     stages: int
     group: int  # query heads per KV head
-    splits: int  # programs per (KV head, key block) that share its group's query heads (`head_splits`)
+    batches: int  # query batches per KV batch (`batch_group`: (batch, head) pairs folded into the batch)
+    splits: int  # items per (KV batch and head, key block) that share its query sources (`head_splits`)
     num_q_blocks: int
     items: _Items
     interpret: object  # interpret-mode parameters, or None on the GPU
@@ -216,8 +218,14 @@ class _Settings(NamedTuple):
         return self.kv_len % (COMPUTE_WGS * self.block_kv) != 0
 
     @property
-    def heads_per_program(self):
-        return self.group // self.splits
+    def sources(self):
+        """Query (batch, head) pairs that read one KV (batch, head): source s is query batch
+        b * batches + s // group and head h * group + s % group of KV batch b and head h."""
+        return self.batches * self.group
+
+    @property
+    def sources_per_item(self):
+        return self.sources // self.splits
 
 
 def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg: _Settings):
@@ -267,36 +275,40 @@ def _warpgroups(refs, bufs, bars, cfg: _Settings):
 
 
 class _Item(NamedTuple):
-    """One item of a program's work: `2 * block_kv` keys from `kv_start` of KV head `kv_head` in batch
-    `batch`, against query heads [first_head, first_head + heads_per_program) of its group (split
-    `part` of `splits`), whose query blocks `walk` says."""
+    """One item of a program's work: `2 * block_kv` keys from `kv_start` of KV head `kv_head` in KV
+    batch `batch`, against query sources [first_source, first_source + sources_per_item) (split
+    `part` of `splits`; `_Settings.sources`), whose query blocks `walk` says."""
     batch: object
     kv_head: object
     part: object
-    first_head: object
+    first_source: object
     kv_start: object
     walk: _Walk
 
     def steps(self, cfg):
-        """Query blocks walked: per query head, then head after head."""
-        return cfg.heads_per_program * self.walk.per_head
+        """Query blocks walked: per source, then source after source."""
+        return cfg.sources_per_item * self.walk.per_head
 
     def block(self, step, cfg):
-        """(query head, first row) of the item's `step`-th query block."""
+        """(query batch, query head, first row) of the item's `step`-th query block."""
         per_head = self.walk.per_head
-        return (self.first_head + lax.div(step, per_head),
-                (self.walk.first + lax.rem(step, per_head)) * cfg.block_q)
+        source = self.first_source + lax.div(step, per_head)
+        rows = (self.walk.first + lax.rem(step, per_head)) * cfg.block_q
+        if cfg.batches == 1:
+            return self.batch, self.kv_head * cfg.group + source, rows
+        group = jnp.int32(cfg.group)
+        return (self.batch * cfg.batches + lax.div(source, group), self.kv_head * cfg.group + lax.rem(source, group),
+                rows)
 
 
 def _item(program, j, cfg: _Settings):
     """`program`'s j-th `_Item`."""
     batch, column, key_block = cfg.items.at(program, j)
-    # A column folds (KV head, split): split `part` walks query heads
-    # [first_head, first_head + heads_per_program) of the KV head's group.
+    # A column folds (KV head, split): split `part` walks query sources
+    # [part * sources_per_item, (part + 1) * sources_per_item) of the KV batch and head.
     kv_head, part = lax.div(column, cfg.splits), lax.rem(column, cfg.splits)
     kv_start = key_block * (COMPUTE_WGS * cfg.block_kv)
-    return _Item(batch, kv_head, part, kv_head * cfg.group + part * cfg.heads_per_program, kv_start,
-                 _q_range(kv_start, cfg))
+    return _Item(batch, kv_head, part, part * cfg.sources_per_item, kv_start, _q_range(kv_start, cfg))
 
 
 def _memory(refs, bufs, bars, cfg: _Settings, *, program):
@@ -313,9 +325,9 @@ def _memory(refs, bufs, bars, cfg: _Settings, *, program):
         def _(step):
             n = loaded + step
             slot = lax.rem(n, jnp.int32(stages))
-            head, rows = it.block(step, cfg)
-            block = (it.batch, pl.ds(rows, block_q), head)
-            vector = (it.batch, head, pl.ds(rows, block_q))
+            q_batch, head, rows = it.block(step, cfg)
+            block = (q_batch, pl.ds(rows, block_q), head)
+            vector = (q_batch, head, pl.ds(rows, block_q))
 
             @pl.when(n >= stages)  # the slot's previous block must have been read by both
             def _():
@@ -428,7 +440,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
             slot = lax.rem(n, jnp.int32(stages))
             own = _per_step(wg, n)  # == wg; see `_per_step`
             k_smem, v_smem = k_all.at[own], v_all.at[own]
-            head, rows = it.block(step, cfg)
+            q_batch, head, rows = it.block(step, cfg)
             plgpu.barrier_wait(bars["q_ready"].at[slot])
             plgpu.barrier_wait(bars["lse_ready"].at[slot])
             q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
@@ -446,7 +458,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
             delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
             ds16 = _capped((p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])), cap_grad).astype(dtype)
             p16 = p_t.astype(dtype)
-            dq_rows = (batch, pl.ds(rows, block_q), head)
+            dq_rows = (q_batch, pl.ds(rows, block_q), head)
             if not split:
                 # dS^T to shared memory, where the dQ product reads it transposed.
                 ds_smem = ds_all.at[wg]
@@ -481,7 +493,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                         half = pl.ds(w * (block_q // 2), block_q // 2)
                         ds_parts = tuple(_T(ds_both.at[u, :, half]) for u in both)
                         k_parts = tuple(k_all.at[u] for u in both)
-                        target = (batch, pl.ds(rows + w * (block_q // 2), block_q // 2), head)
+                        target = (q_batch, pl.ds(rows + w * (block_q // 2), block_q // 2), head)
                     dq, = _mma((dq_smem.shape, ds_parts, k_parts), on_gpu=on_gpu)
                     _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["q_free"].at[slot])
@@ -501,7 +513,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                 carry = lax.fori_loop(base + hi, base + it.walk.per_head, functools.partial(q_step, masked=True), carry)
             return carry
 
-        dk, dv = lax.fori_loop(0, cfg.heads_per_program, head_walk, carry)
+        dk, dv = lax.fori_loop(0, cfg.sources_per_item, head_walk, carry)
         if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
             plgpu.barrier_arrive(bars["ds_ready"])
             plgpu.barrier_wait(bars["ds_ready"])
@@ -670,10 +682,11 @@ def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, 
 def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, block_q, block_kv, stages, head_splits,
               programs, interpret):
     """The kernel's static settings for checked arguments on whole tiles."""
-    group = q.shape[2] // k.shape[2]
-    if not (isinstance(head_splits, int) and head_splits >= 1 and group % head_splits == 0):
-        raise ValueError(f"head_splits={head_splits!r}: expected a positive divisor of the GQA group "
-                         f"(Hq / Hk = {group}); hint: 1 walks the whole group in one program")
+    group, batches = q.shape[2] // k.shape[2], batch_group(q, k)
+    if not (isinstance(head_splits, int) and head_splits >= 1 and (group * batches) % head_splits == 0):
+        raise ValueError(f"head_splits={head_splits!r}: expected a positive divisor of the query heads per KV head "
+                         f"(Hq / Hk = {group}, times query batches per KV batch {batches}); hint: 1 walks them all "
+                         "in one item")
     staging_rows = _staging_shape(q.shape[3], block_q)[0]
     if head_splits > 1 and staging_rows != block_kv:
         raise ValueError(f"head_splits={head_splits} with block_q={block_q}, block_kv={block_kv}, head dim "
@@ -682,11 +695,11 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
-    b, columns, key_blocks = q.shape[0], k.shape[2] * head_splits, k.shape[1] // (COMPUTE_WGS * block_kv)
+    b, columns, key_blocks = k.shape[0], k.shape[2] * head_splits, k.shape[1] // (COMPUTE_WGS * block_kv)
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
-                     stages=stages, group=group, splits=head_splits, num_q_blocks=q.shape[1] // block_q,
+                     stages=stages, group=group, batches=batches, splits=head_splits, num_q_blocks=q.shape[1] // block_q,
                      items=_Items(batch=b, columns=columns, waves=waves(b * columns * key_blocks, programs)),
                      interpret=interpret)
 

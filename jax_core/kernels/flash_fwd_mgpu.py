@@ -6,7 +6,9 @@ of `flash_bwd_mgpu.py`. Imports only JAX and uses Pallas Mosaic GPU APIs present
 
 Arrays, (batch, length, heads, head dim) as Mosaic GPU's TMA wants them:
     q (B, L, Hq, D), k and v (B, S, Hk, D), bf16 or fp16, D 64 or 128, any L, S >= 1; query head h
-    reads KV head h // (Hq // Hk) (GQA). Returns out (B, L, Hq, D) in q's dtype and lse (B, Hq, L)
+    reads KV head h // (Hq // Hk) (GQA). k and v may have a batch Bk dividing B instead, for a caller
+    that folds (batch, head) pairs into the batch with GQA: query batch b then reads KV batch
+    b // (B / Bk) (`flash_mgpu_checks.batch_group`). Returns out (B, L, Hq, D) in q's dtype and lse (B, Hq, L)
     float32, natural log. A row that sees no key gives out 0 and lse -inf (the sink's logit with sinks).
 
 The work is tiles of 2 * block_q query rows of one head. One program (a CUDA block of three
@@ -55,7 +57,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
-from .flash_mgpu_checks import check_arrays, check_blocks, check_features, check_tiling, check_whole_tiles
+from .flash_mgpu_checks import (batch_group, check_arrays, check_blocks, check_features, check_tiling,
+                                check_whole_tiles)
 from .persistent_waves import DealtWork, Waves, waves
 
 LOG2E = math.log2(math.e)
@@ -149,7 +152,7 @@ class _Tiles(DealtWork):
         return batch, head, ((self.q_blocks - 1) - block) * self.rows
 
 
-def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, interpret):
+def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, batches, interpret):
     q_ref, k_ref, v_ref = refs[:3]
     sinks_ref = refs[3] if has_sinks else None
     out_ref, lse_ref = refs[-2:]
@@ -177,7 +180,8 @@ def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, inter
         v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
         turn=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     )
-    cfg = dict(scale=scale, band=band, softcap=softcap, stages=stages, tiles=tiles, group=group, interpret=interpret)
+    cfg = dict(scale=scale, band=band, softcap=softcap, stages=stages, tiles=tiles, group=group, batches=batches,
+               interpret=interpret)
     # Allocated once for the three warpgroups together (collective over "wg").
     pl.run_scoped(
         lambda bufs, bars: _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, **cfg),
@@ -194,7 +198,7 @@ def _program_blocks(program_rows, band):
 
 
 def _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, *, scale, band, softcap,
-                stages, tiles, group, interpret):
+                stages, tiles, group, batches, interpret):
     program, wg = lax.axis_index("programs"), lax.axis_index("wg")
 
     @pl.when(wg < COMPUTE_WGS)
@@ -208,10 +212,10 @@ def _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, *,
     def _():
         plgpu.set_max_registers(40, action="decrease")
         _memory(q_ref, k_ref, v_ref, bufs, bars, program=program, tiles=tiles, band=band, group=group,
-                stages=stages)
+                batches=batches, stages=stages)
 
 
-def _memory(q_ref, k_ref, v_ref, bufs, bars, *, program, tiles, band, group, stages):
+def _memory(q_ref, k_ref, v_ref, bufs, bars, *, program, tiles, band, group, batches, stages):
     q_smem, k_smem, v_smem, _ = bufs
     q_slots = q_smem.shape[1]
     block_q, block_kv = band.block_q, band.block_kv
@@ -233,10 +237,11 @@ def _memory(q_ref, k_ref, v_ref, bufs, bars, *, program, tiles, band, group, sta
             plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[w, q_slot], bars["q_ready"].at[barrier])
 
         kv_head = lax.div(head, jnp.int32(group))
+        kv_batch = batch if batches == 1 else lax.div(batch, jnp.int32(batches))  # see `batch_group`
 
         def kv(i, n):
             slot = lax.rem(n, jnp.int32(stages))
-            keys = (batch, pl.ds(i * block_kv, block_kv), kv_head)
+            keys = (kv_batch, pl.ds(i * block_kv, block_kv), kv_head)
 
             @pl.when(n >= stages)  # the slot's previous block must have been read by both
             def _():
@@ -350,7 +355,7 @@ def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, interpret):
     body = functools.partial(
         _program, scale=float(scale), band=band, softcap=None if softcap is None else float(softcap),
         has_sinks=sinks is not None, stages=min(stages, band.num_kv_blocks), tiles=tiles, group=hq // hk,
-        interpret=interpret)
+        batches=batch_group(q, k), interpret=interpret)
     call = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),

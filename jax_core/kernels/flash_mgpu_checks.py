@@ -18,7 +18,9 @@ SMEM_RESERVE = 4096
 
 
 def check_arrays(q, k, v):
-    """Layouts, dtypes and head counts of q (B, L, Hq, D), k and v (B, S, Hk, D)."""
+    """Layouts, dtypes and head counts of q (B, L, Hq, D), k and v (Bk, S, Hk, D): Bk = B, or Bk a
+    divisor of B where a caller folds (batch, head) pairs into the batch with GQA (query batch b reads
+    KV batch b // (B / Bk), `batch_group`)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name}.shape={x.shape}: expected (batch, length, heads, head_dim)")
@@ -28,8 +30,10 @@ def check_arrays(q, k, v):
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}: expected one dtype")
     b, l, hq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k.shape={k.shape}, v.shape={v.shape}: expected both (B={b}, S, Hk, D={d})")
+    if k.shape != v.shape or k.shape[0] < 1 or b % k.shape[0] or k.shape[3] != d:
+        raise ValueError(f"k.shape={k.shape}, v.shape={v.shape}: expected both (Bk, S, Hk, D={d}) with Bk dividing "
+                         f"q's batch B={b}; hint: Bk = B, or B = Bk * group where (batch, head) pairs are folded "
+                         "into the batch with GQA")
     if l < 1 or k.shape[1] < 1:
         raise ValueError(f"query length L={l}, key length S={k.shape[1]}: expected both at least 1; "
                          "hint: skip the call for empty sequences")
@@ -46,6 +50,13 @@ def check_blocks(block_q, block_kv, stages):
                          "(a wgmma tile is 64 rows)")
     if stages < 2:
         raise ValueError(f"stages={stages}: expected at least 2 (one slot loading while one is read)")
+
+
+def batch_group(q, k) -> int:
+    """Query batches per KV batch: q's batch b reads k's and v's batch b // batch_group (1 unless a
+    caller folds (batch, head) pairs into the batch with GQA: then query pair b * Hq + h reads KV pair
+    b * Hk + h // (Hq / Hk), which is (b * Hq + h) // (Hq / Hk))."""
+    return q.shape[0] // k.shape[0]
 
 
 def check_tiling(d, itemsize, block_q, block_kv, stages, q_slots=1):
