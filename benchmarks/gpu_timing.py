@@ -1,4 +1,5 @@
-"""Steady-state timing shared by the GPU benchmark scripts (`flash_gpu.py`, `decode_gpu.py`).
+"""Steady-state timing shared by the GPU benchmark scripts (`flash_gpu.py`, `decode_gpu.py`, the Hopper
+scripts), and their JSON report.
 
 Back-to-back calls timed together, as a training loop or a decoding loop issues them, so host work
 overlaps earlier GPU work; median over repeats after warm-up. The scripts are run as files
@@ -7,6 +8,7 @@ overlaps earlier GPU work; median over repeats after warm-up. The scripts are ru
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -44,3 +46,10 @@ def time_jax(fn, warmup=5, iters=30, repeats=5):
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e6 / iters)
     return statistics.median(times)
+
+
+def write_report(path, rows):
+    """`rows` (a list of dicts) as JSON at `path`, with the device and the torch and JAX versions."""
+    with open(path, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, jax=jax.__version__, rows=rows),
+                  f, indent=1)

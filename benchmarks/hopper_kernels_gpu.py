@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpu_timing import time_jax, time_torch
+from gpu_timing import time_jax, time_torch, write_report
 from jaxattn.jax_core import calls
 from jaxattn.jax_core.kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu_tiles
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
@@ -178,9 +177,7 @@ def main():
     for part in args.part or list(PARTS):
         PARTS[part](rows)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, jax=jax.__version__,
-                           rows=rows), f, indent=1)
+        write_report(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ is checked against torch's math on float32 copies first (max abs error, flagged 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpu_timing import time_torch
+from gpu_timing import time_torch, write_report
 from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention, sdpa_launcher
 
 SHAPES = [(1, 16, 16384, 128), (2, 16, 8192, 128), (2, 16, 4096, 128), (4, 16, 2048, 128), (8, 16, 1024, 128)]
@@ -203,9 +202,7 @@ def main():
             measure(shape, True, torch.bfloat16, rows)
         feature_costs(rows)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, jax=jax.__version__,
-                           rows=rows), f, indent=1)
+        write_report(args.out, rows)
 
 
 if __name__ == "__main__":
