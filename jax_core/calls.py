@@ -180,8 +180,9 @@ HOPPER_TILES = dict(
 #: Forward tiles for short key lengths, per head dim: (most keys, tiles). At head dim 64 a causal walk
 #: over at most 2048 keys is a few blocks long, and 256-key blocks spend a quarter of the first one
 #: on the masked diagonal. Forward alone on the persistent grid, causal bf16, H200 (BENCHMARKS.md
-#: "The backward's persistent grid; head dim 64: 128-key blocks for short walks"), 256- / 128-key blocks: 128.5 / 117.6 us at (16,
-#: 16, 1024, 64), 197.5 / 196.3 at (8, 16, 2048, 64), 345.5 / 354.6 at (4, 16, 4096, 64).
+#: "The backward's persistent grid; head dim 64: 128-key blocks for short walks"), 256- / 128-key
+#: blocks: 128.5 / 117.6 us at (16, 16, 1024, 64), 197.5 / 196.3 at (8, 16, 2048, 64), 345.5 / 354.6
+#: at (4, 16, 4096, 64).
 HOPPER_FORWARD_SHORT = {64: (2048, dict(block_q=64, block_kv=128, stages=2))}
 
 

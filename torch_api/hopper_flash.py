@@ -18,7 +18,7 @@ them through `native_flash.flash_forward` when they want no LSE back (these kern
 differentiable).
 
 Any lengths: the kernels move whole tiles (128 query rows and 128 keys serve both; 256 keys in the
-head-dim-64 forward), so a tensor whose length is not a whole number of tiles is copied once into a
+head-dim-64 forward over more than 2048 keys, `calls.hopper_tiles`), so a tensor whose length is not a whole number of tiles is copied once into a
 zero-padded buffer (the copy a non-contiguous layout takes anyway), the kernels get the true key
 count and mask the padded keys, padded query rows get LSE +inf and delta 0 in the backward (so they
 add nothing), and the results are views of the true rows. Whole tiles keep the zero-copy views.
@@ -221,8 +221,14 @@ def backward_programs(device: torch.device) -> Optional[int]:
     return calls.hopper_backward_programs(multiprocessors(device, HOPPER_INTERPRETED_SMS))
 
 
-def _backward_static(cfg: FlashConfig, kv_len: int, device: torch.device, head_splits: int) -> dict:
-    return dict(_static(cfg, kv_len), head_splits=head_splits, programs=backward_programs(device))
+def _backward_static(cfg: FlashConfig, kv_len: int, kq: torch.Tensor, kk: torch.Tensor, device: torch.device) -> dict:
+    """The backward kernel's settings for the kernel views kq (queries) and kk (keys, padded): the
+    persistent grid on `device` and the head splits it wants (`calls.hopper_head_splits`)."""
+    programs = backward_programs(device)
+    batch, _, heads, d = kq.shape
+    splits = calls.hopper_head_splits(batch, heads, kk.shape[2], kk.shape[1], d, persistent=programs is not None,
+                                      kv_batch=kk.shape[0])
+    return dict(_static(cfg, kv_len), head_splits=splits, programs=programs)
 
 
 def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,9 +259,9 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
     lse_log2, delta = torch.empty((2, batch, heads, rows), dtype=torch.float32, device=q.device).unbind(0)
     accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)
     backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
-    splits = calls.hopper_head_splits(batch, heads, kk.shape[2], keys, q.shape[-1],
-                                      persistent=backward_programs(q.device) is not None, kv_batch=kk.shape[0])
-    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **_backward_static(cfg, s, q.device, splits))
+    static = _backward_static(cfg, s, kq, kk, q.device)
+    splits = static["head_splits"]
+    dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **static)
     if splits > 1:  # dK, dV as the splits' float32 partial sums
         dq, dk, dv = backward_results(dq, dk, dv, q.dtype)
     else:

@@ -166,12 +166,10 @@ def _register_train(q, k, v, cfg, saved, kernel_inputs, folded, common, saved_bu
     allocs = [row_vector, row_vector, _layout(accum)]  # 6 delta, 7 lse_log2, 8 dQ's accumulator
     # The operands pass reads dO in out's layout, which the program's gradient layout is.
     operands = _hopper.operands_launch(out_t, out_t, lse_t, accum, rows, folded)
-    splits = calls.hopper_head_splits(batch, heads, kk.shape[2], kk.shape[1], q.shape[-1],
-                                      persistent=_hopper.backward_programs(q.device) is not None,
-                                      kv_batch=kk.shape[0])
+    static = _hopper._backward_static(cfg, k.shape[2], kq, kk, q.device)
+    splits = static["head_splits"]
     rows_meta = torch.empty((batch, heads, rows), dtype=f32, device="meta")
-    backward = _hopper._BACKWARD.host_launch((*_meta(kq, kk, kv, kq), rows_meta, rows_meta.clone(), accum),
-                                             _hopper._backward_static(cfg, k.shape[2], q.device, splits))
+    backward = _hopper._BACKWARD.host_launch((*_meta(kq, kk, kv, kq), rows_meta, rows_meta.clone(), accum), static)
     if backward is None:
         return None
     # Without head splits the kernel writes dK and dV in the inputs' dtype: returned as (B, H, T, D) views.
