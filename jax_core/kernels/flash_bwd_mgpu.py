@@ -501,10 +501,10 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
 
         zeros = _layout(jnp.zeros((block_kv, d), jnp.float32), on_gpu=on_gpu)
         carry = (zeros, zeros)
-        # Per head, steps [0, lo) and [hi, per_head) cross a band edge (or hold keys past kv_len).
+        # Per query source, steps [0, lo) and [hi, per_head) cross a band edge (or hold keys past kv_len).
         lo, hi = it.walk.full_lo - it.walk.first, it.walk.full_hi - it.walk.first
 
-        def head_walk(g, carry):
+        def source_walk(g, carry):
             base = g * it.walk.per_head
             if cfg.right is not None or cfg.ragged_end:
                 carry = lax.fori_loop(base, base + lo, functools.partial(q_step, masked=True), carry)
@@ -513,7 +513,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                 carry = lax.fori_loop(base + hi, base + it.walk.per_head, functools.partial(q_step, masked=True), carry)
             return carry
 
-        dk, dv = lax.fori_loop(0, cfg.sources_per_item, head_walk, carry)
+        dk, dv = lax.fori_loop(0, cfg.sources_per_item, source_walk, carry)
         if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
             plgpu.barrier_arrive(bars["ds_ready"])
             plgpu.barrier_wait(bars["ds_ready"])
