@@ -1,7 +1,8 @@
 """The Hopper kernels (Pallas Mosaic GPU forward and backward) through the torch drop-in, against the
 same drop-in on the Triton kernels and torch's own SDPA backends (cuDNN, flash), in one process.
 
-    python benchmarks/hopper_torch_gpu.py [--out hopper_torch.json] [--quick | --head-dim-64 | --features]
+    python benchmarks/hopper_torch_gpu.py [--out hopper_torch.json] [--quick | --targets | --head-dim-64 | --features]
+                                          [--rows 'jaxattn hopper,torch cudnn'] [--rounds 3]
 
 Rows, causal bf16 at head dim 128 unless noted, each timed forward only (no grad) and forward +
 backward (autograd.grad of the output against a fixed cotangent):
@@ -15,7 +16,10 @@ Then head dim 64, GQA at head dim 64, and lengths that are not whole tiles. And 
 against the plain causal kernel (as_torch_kernel directly); forward + backward through `hopper_flash`
 with a soft cap or windows.
 
-Timing: `gpu_timing.time_torch` (back-to-back calls between CUDA events, median of repeats).
+Timing: `gpu_timing.time_torch` (back-to-back calls between CUDA events, median of repeats), the rows
+of a shape timed in turn, `--rounds` times; each row reports the median of its rounds, and the
+Hopper row its ratio to cuDNN round by round (median and range), which a drift of the GPU's clock
+over the run moves far less than the ratio of two medians.
 TFLOP/s: forward 4*B*H*L*S*D (halved for causal), forward + backward 3.5x that. Each row's output
 is checked against torch's math on float32 copies first (max abs error, flagged above 3e-2).
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 
 import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
@@ -76,8 +81,11 @@ ROWS = {"jaxattn hopper": drop_in(True), "jaxattn triton": drop_in(False),
         "torch cudnn": torch_backend(SDPBackend.CUDNN_ATTENTION), "torch flash": torch_backend(SDPBackend.FLASH_ATTENTION)}
 
 
-def measure(shape, causal, dtype, rows):
-    """One shape, (B, H, L, D) or with GQA (B, Hq, Hk, L, D), through every row."""
+def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3):
+    """One shape, (B, H, L, D) or with GQA (B, Hq, Hk, L, D), through the rows `names`. The rows are
+    timed in turn, `rounds` times (so that a drift of the GPU's clock over the run lands on every
+    row alike); each row reports its median, and "jaxattn hopper" its per-round ratios to "torch
+    cudnn" (paired: the two timed back to back)."""
     b, h, hk, l, d = shape if len(shape) == 5 else (*shape[:2], *shape[1:])
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, cot = (torch.randn(b, heads, l, d, generator=gen, device="cuda", dtype=dtype) for heads in (h, hk, hk, h))
@@ -85,24 +93,45 @@ def measure(shape, causal, dtype, rows):
     with torch.no_grad():
         want = F.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(), is_causal=causal,
                                               enable_gqa=h != hk)
-    for name, fn in ROWS.items():
-        row = dict(shape=list(shape), causal=causal, dtype=str(dtype).split(".")[-1], row=name)
+    found, timers = {}, {}
+    for name in names:
+        fn = ROWS[name]
+        row = found[name] = dict(shape=list(shape), causal=causal, dtype=str(dtype).split(".")[-1], row=name,
+                                 fwd_rounds=[], fwd_bwd_rounds=[])
         try:
             with torch.no_grad():
                 row["max_abs_err"] = (fn(q, k, v, causal)[:1].float() - want).abs().max().item()
-                row["fwd_us"] = time_torch(lambda: fn(q, k, v, causal), iters=10)
 
-            def train():
+            def forward(fn=fn):
+                with torch.no_grad():
+                    return fn(q, k, v, causal)
+
+            def train(fn=fn):
                 out = fn(*leaves, causal)
                 torch.autograd.grad(out, leaves, cot)
-            row["fwd_bwd_us"] = time_torch(train, iters=5)
-            f = flops(b, h, l, d, causal)
-            row["fwd_tflops"] = f / row["fwd_us"] / 1e6
-            row["fwd_bwd_tflops"] = 3.5 * f / row["fwd_bwd_us"] / 1e6
+            timers[name] = forward, train
         except Exception as exc:  # noqa: BLE001 - report and go on
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    for _ in range(rounds):
+        for name, (forward, train) in timers.items():
+            found[name]["fwd_rounds"].append(round(time_torch(forward, iters=10, repeats=3), 1))
+            found[name]["fwd_bwd_rounds"].append(round(time_torch(train, iters=5, repeats=3), 1))
+    f = flops(b, h, l, d, causal)
+    for name, row in found.items():
+        if "error" not in row:
+            row["fwd_us"], row["fwd_bwd_us"] = (statistics.median(row[key]) for key in ("fwd_rounds", "fwd_bwd_rounds"))
+            row["fwd_tflops"] = f / row["fwd_us"] / 1e6
+            row["fwd_bwd_tflops"] = 3.5 * f / row["fwd_bwd_us"] / 1e6
         rows.append(row)
         print(format_row(row), flush=True)
+    ours, theirs = found.get("jaxattn hopper"), found.get("torch cudnn")
+    if ours and theirs and "error" not in ours and "error" not in theirs:
+        for key in ("fwd", "fwd_bwd"):
+            ratios = sorted(t / o for o, t in zip(ours[f"{key}_rounds"], theirs[f"{key}_rounds"]))
+            ours[f"{key}_vs_cudnn"] = dict(median=statistics.median(ratios), low=ratios[0], high=ratios[-1])
+        print(f"{'':20} hopper / cudnn, paired by round: " + " | ".join(
+            f"{key} {r['median']:.2f}x [{r['low']:.2f}, {r['high']:.2f}]"
+            for key, r in (("fwd", ours["fwd_vs_cudnn"]), ("fwd+bwd", ours["fwd_bwd_vs_cudnn"]))), flush=True)
 
 
 def feature_costs(rows):
@@ -173,13 +202,27 @@ def format_row(row):
             f"{row['fwd_bwd_tflops']:6.1f} TF | err {row['max_abs_err']:.1e}{'  <-- ERROR' if row['max_abs_err'] > 3e-2 else ''}")
 
 
+#: The issue's target shapes, causal bf16 (`--targets`).
+TARGET_SHAPES = [(1, 16, 16384, 128), (2, 16, 8192, 128), (4, 16, 4096, 64), (16, 16, 1024, 64)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true", help="the first shape only, no feature costs")
-    parser.add_argument("--head-dim-64", action="store_true", help="the head-dim-64 shapes only")
-    parser.add_argument("--features", action="store_true", help="the feature costs only")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="the first shape only, no feature costs")
+    which.add_argument("--targets", action="store_true", help="the target shapes only, no feature costs")
+    which.add_argument("--head-dim-64", action="store_true", help="the head-dim-64 shapes only")
+    which.add_argument("--features", action="store_true", help="the feature costs only")
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"comma-separated rows to time (default all: {', '.join(ROWS)})")
+    parser.add_argument("--rounds", type=int, default=3, help="times each row is timed, in turn with the others")
     args = parser.parse_args()
+    names = tuple(name.strip() for name in args.rows.split(","))
+    unknown = [name for name in names if name not in ROWS]
+    if unknown or args.rounds < 1:
+        parser.error(f"--rows {args.rows!r}, --rounds {args.rounds}: expected rows among {list(ROWS)} and "
+                     "at least one round")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
@@ -188,18 +231,27 @@ def main():
     from jaxattn.bridge import triton_program
     print("compiled programs:", triton_program.wait(600), flush=True)
     rows = []
+
+    def run(shape, causal=True, dtype=torch.bfloat16):
+        measure(shape, causal, dtype, rows, names=names, rounds=args.rounds)
+
     if args.features:
         feature_costs(rows)
+    elif args.targets:
+        for shape in TARGET_SHAPES:
+            run(shape)
     elif args.head_dim_64:
         for shape in SHAPES_64 + GQA_SHAPES_64 + EDGE_SHAPES[1:]:
-            measure(shape, True, torch.bfloat16, rows)
-    for shape in [] if args.head_dim_64 or args.features else SHAPES[:1] if args.quick else SHAPES:
-        measure(shape, True, torch.bfloat16, rows)
-    if not (args.quick or args.head_dim_64 or args.features):
-        measure(SHAPES[0], False, torch.bfloat16, rows)
-        measure(SHAPES[1], True, torch.float16, rows)
+            run(shape)
+    elif args.quick:
+        run(SHAPES[0])
+    else:
+        for shape in SHAPES:
+            run(shape)
+        run(SHAPES[0], causal=False)
+        run(SHAPES[1], dtype=torch.float16)
         for shape in SHAPES_64 + GQA_SHAPES_64 + EDGE_SHAPES:
-            measure(shape, True, torch.bfloat16, rows)
+            run(shape)
         feature_costs(rows)
     if args.out:
         write_report(args.out, rows)

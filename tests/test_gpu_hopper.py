@@ -66,7 +66,7 @@ def test_windows_soft_caps_and_any_lengths_take_the_hopper_kernels():
     # edge lengths, folded (B, H, T, D) memory, bottom-right causal window with a soft cap
     pytest.param(1, 2, 2, 130, 200, dict(causal=True, window=(40, 0), softcap=5.0, bottom_right=True), "BHLD",
                  id="edge-folded-window-softcap-br"),
-    # GQA (copied to (B, L, H, D)), two-sided window, L > S: rows that see no key
+    # GQA (folded, `batch_group`), two-sided window, L > S: rows that see no key
     pytest.param(1, 4, 2, 200, 97, dict(window=(10, 20), bottom_right=True), "BHLD", id="edge-gqa-window-empty-rows"),
     # whole tiles in (B, L, H, D) memory: passed as is
     pytest.param(1, 2, 2, 128, 256, dict(causal=True), "BLHD", id="whole-tiles-transposed"),
@@ -185,7 +185,7 @@ def _cuda_tensor(gen, b, h, t, d, memory):
 @pytest.mark.parametrize("b, hq, hk, l, s, causal, memory", [
     (2, 16, 16, 4096, 4096, True, "BHLD"),  # (B, H, L, D) memory: passed folded, no copy
     (2, 16, 16, 4096, 4096, True, "BLHD"),  # (B, L, H, D) memory seen transposed: passed as is
-    (4, 16, 4, 2048, 4096, True, "BHLD"),   # GQA (copied to (B, L, H, D)), L < S: causal top-left
+    (4, 16, 4, 2048, 4096, True, "BHLD"),   # GQA folded too (`batch_group`), L < S: causal top-left
     (2, 16, 2, 4096, 4096, False, "BLHD"),
     (1, 16, 4, 4097, 4161, True, "BHLD"),   # lengths not whole tiles: padded (one copy), keys masked
     (1, 16, 16, 4161, 2113, False, "BLHD"),  # L > S, both partial
