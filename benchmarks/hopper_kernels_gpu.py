@@ -3,6 +3,7 @@ per item against its persistent grid, the backward by GQA head splits, and the h
 key-block size, each against torch's cuDNN backend in the same process where it applies.
 
     python benchmarks/hopper_kernels_gpu.py [--out hopper_kernels.json] [--part grids|splits|forward-tiles]
+    python benchmarks/hopper_kernels_gpu.py --part variant --variant my_flash_bwd_mgpu.py [--rounds 5]
 
 Rows, causal bf16:
     * "grids": the backward (`flash_backward_mgpu_tiles`, the tuned tiles and head splits) with
@@ -11,9 +12,13 @@ Rows, causal bf16:
     * "splits": the backward on the persistent grid plus the float32 partial sums of the head splits,
       by splits, at GQA shapes (`calls.HOPPER_BACKWARD_MIN_ITEMS`);
     * "forward-tiles": the forward on the persistent grid by (block_kv, stages), head dims 64 and 128
-      at short lengths (`calls.HOPPER_FORWARD_SHORT`).
+      at short lengths (`calls.HOPPER_FORWARD_SHORT`);
+    * "variant": the backward as is against a modified copy of `flash_bwd_mgpu.py` (`--variant`, loaded
+      as a module of the same package), both on the persistent grid with the tuned tiles and head
+      splits, and torch cuDNN's backward, at the "grids" shapes. `docs/bench/variants/*.patch` are the
+      variants BENCHMARKS.md reports (`git apply` one to a copy of the checkout, or `patch -o`).
 The residuals the backward reads come from our forward. Timing: `gpu_timing.time_jax` (back-to-back
-calls, then block_until_ready) and `time_torch`, three rounds of the variants in turn, median.
+calls, then block_until_ready) and `time_torch`, `--rounds` rounds (default 3) of the variants in turn, median.
 TFLOP/s count the causal forward as 2*B*H*L*L*D and the backward as 2.5 times that. Each backward
 variant's gradients are compared with the first variant's (max abs difference; dQ's float32 adds
 come in another order, the rest is equal to the bit).
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import statistics
 import sys
 
@@ -55,10 +61,13 @@ def sms():
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def timed(fns: dict, flops: float, rounds=3) -> dict:
+ROUNDS = [3]  # `--rounds`
+
+
+def timed(fns: dict, flops: float, rounds=None) -> dict:
     """{name: (median µs, TFLOP/s, per-round µs)}, the variants timed in turn, `rounds` times."""
     times = {name: [] for name in fns}
-    for _ in range(rounds):
+    for _ in range(rounds or ROUNDS[0]):
         for name, fn in fns.items():
             times[name].append(time_jax(fn, iters=10, repeats=3))
     return {name: (statistics.median(t), flops / statistics.median(t) / 1e6, [round(x, 1) for x in t])
@@ -85,12 +94,13 @@ def cudnn_backward_us(b, l, hq, hk, d):
         return time_torch(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), iters=10)
 
 
-def backward_fn(shape, splits, programs):
-    """A jitted backward of whole tiles with the splits' partial sums, and its arguments."""
+def backward_fn(shape, splits, programs, kernel=flash_backward_mgpu_tiles):
+    """A jitted backward (`kernel`: a `flash_backward_mgpu_tiles`) of whole tiles with the splits'
+    partial sums."""
     b, l, hq, hk, d = shape
 
     def run(q, k, v, do, lse_log2, delta, accum):
-        dq, dk, dv = flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, accum, scale=d ** -0.5, causal=True,
+        dq, dk, dv = kernel(q, k, v, do, lse_log2, delta, accum, scale=d ** -0.5, causal=True,
                                                head_splits=splits, programs=programs,
                                                **calls.hopper_tiles("backward", d, l))
         if splits > 1:
@@ -161,21 +171,50 @@ def forward_tiles(rows):
         print(f"{shape}: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items()), flush=True)
 
 
-PARTS = {"grids": grids, "splits": splits, "forward-tiles": forward_tiles}
+def variant(rows, path):
+    """The backward as is against the copy of `flash_bwd_mgpu.py` at `path`."""
+    spec = importlib.util.spec_from_file_location("jaxattn.jax_core.kernels._variant", path)
+    module = importlib.util.module_from_spec(spec)  # in the kernels' package: its relative imports resolve
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for shape in GRID_SHAPES:
+        b, l, hq, hk, d = shape
+        splits = calls.hopper_head_splits(b, hq, hk, l, d)
+        args = backward_inputs(*shape)
+        fns = compare({"as is": backward_fn(shape, splits, sms()),
+                       "variant": backward_fn(shape, splits, sms(), module.flash_backward_mgpu_tiles)}, args)
+        result = timed(fns, 2.5 * causal_flops(b, hq, l, d))
+        cudnn = cudnn_backward_us(*shape)
+        rows.append(dict(part="variant", variant=str(path), shape=list(shape), head_splits=splits, cudnn_us=cudnn,
+                         variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()}))
+        print(f"{shape} splits {splits}: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items())
+              + f" | cudnn {cudnn:.1f} us", flush=True)
+
+
+PARTS = {"grids": grids, "splits": splits, "forward-tiles": forward_tiles, "variant": variant}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     parser.add_argument("--part", choices=sorted(PARTS), action="append",
-                        help="one part (repeatable); default all three")
+                        help="one part (repeatable); default grids, splits and forward-tiles")
+    parser.add_argument("--variant", default=None, help="the modified flash_bwd_mgpu.py that --part variant times")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants in turn")
     args = parser.parse_args()
+    if ("variant" in (args.part or ())) != (args.variant is not None) or args.rounds < 1:
+        parser.error(f"--part {args.part}, --variant {args.variant!r}, --rounds {args.rounds}: expected --variant "
+                     "FILE exactly with --part variant, and at least one round")
+    ROUNDS[0] = args.rounds
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
     rows = []
-    for part in args.part or list(PARTS):
-        PARTS[part](rows)
+    for part in args.part or ["grids", "splits", "forward-tiles"]:
+        if part == "variant":
+            variant(rows, args.variant)
+        else:
+            PARTS[part](rows)
     if args.out:
         write_report(args.out, rows)
 
