@@ -71,8 +71,10 @@ HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
 #: 785 / 632 at (4, 16, 2048, 128); forward alone 150 / 126 at (16, 16, 1024, 64) and 223 / 208 at
 #: (8, 16, 2048, 64), 103 / 125 at (8, 16, 1024, 128). With the forward's persistent grid (BENCHMARKS.md
 #: "A persistent grid for the Hopper forward"), head dim 64 forward: 195-201 / 218 us at (8, 16, 2048,
-#: 64), 128-133 / 132 at (16, 16, 1024, 64) (even: 2048 it is).
-HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 2048, 128: 1024}, train={64: 1024, 128: 1024})
+#: 64), 128-133 / 132 at (16, 16, 1024, 64) (even: 2048 it was). With 128-key blocks over at most 2048
+#: keys (`calls.HOPPER_FORWARD_SHORT`; BENCHMARKS.md "Where the head-dim-128 backward waits"): 113 /
+#: 132 us at (16, 16, 1024, 64), and 122 / 124 in the run before, so 1024 at both head dims.
+HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 1024, 128: 1024}, train={64: 1024, 128: 1024})
 #: Smaller calls are host-bound on either path, and the Triton path's host time is the shorter.
 HOPPER_MIN_PAIRS_PROGRAM = 8 * 16 * 1024 * 1024
 #: Multiprocessors the interpreted kernels (CPU tensors, tests) take: a few, so that programs walk
