@@ -168,7 +168,8 @@ def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes
 # The Hopper kernels (Pallas Mosaic GPU) on whole tiles, each one kernel call and nothing else, as
 # `plgpu.as_torch_kernel` launches them on torch tensors. Arrays are (B, T, H, D); the caller pads
 # lengths to whole tiles (`hopper_padded_lengths`) and passes the true key count
-# `kv_len` (None: every key is real). `window` (left, right) with -1 unbounded, or None;
+# `kv_len` (None: every key is real), or, with `tma_edges` (lengths in 8-row tiles, on a GPU), passes
+# them in place (`HOPPER_TMA_EDGES`). `window` (left, right) with -1 unbounded, or None;
 # `softcap` a float or None. The tile settings, per head dim, are the ones measured fastest on an H100
 # (BENCHMARKS.md, "Hopper kernels"): at head dim 64 the forward's 256-key blocks halve the steps of a
 # walk whose products are small, and the backward's 128-row query blocks (its warpgroups splitting
@@ -248,7 +249,7 @@ def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: in
     the persistent grid, else one program per item), or all of them."""
     kv_batch = batch if kv_batch is None else kv_batch
     group = num_q_heads // num_kv_heads * (batch // kv_batch)
-    blocks = keys // (2 * HOPPER_TILES["backward"][head_dim]["block_kv"])
+    blocks = -(-keys // (2 * HOPPER_TILES["backward"][head_dim]["block_kv"]))  # the last may run past `keys`
     least = HOPPER_BACKWARD_MIN_ITEMS["persistent" if persistent else "per_item"][head_dim]
     for splits in range(1, group):
         if group % splits == 0 and kv_batch * num_kv_heads * splits * blocks >= least:
@@ -256,10 +257,23 @@ def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: in
     return group
 
 
+#: Whether the torch launch passes lengths that are whole 8-row TMA tiles but not whole kernel tiles
+#: in place (`tma_edges`: the kernels' last tiles run past them) instead of copying them into padded
+#: buffers. The copies cost about 240 us of a (2, 16, 8000, 128) forward (H200, BENCHMARKS.md "Where the
+#: head-dim-128 backward waits"). Off until the kernels have run that way on a GPU: the interpreter,
+#: and so the CPU tests, cannot run it (it refuses copies past an array's end).
+HOPPER_TMA_EDGES = False
+
+
 @functools.lru_cache(maxsize=1024)  # asked per call (torch launch): once per signature
-def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool) -> tuple[int, int]:
+def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool, tma_edges: bool = False) -> tuple[int, int]:
     """(L, S) rounded up to whole tiles of the Hopper forward (`backward` False) or backward kernel at
-    `head_dim`, with the tuned tiles: the lengths the caller pads to."""
+    `head_dim`, with the tuned tiles: the lengths the caller pads to. With `tma_edges` (the kernels'
+    option), (L, S) themselves where both are whole 8-row TMA tiles."""
+    from .kernels.flash_mgpu_checks import TMA_ROWS
+
+    if tma_edges and l % TMA_ROWS == 0 and s % TMA_ROWS == 0:
+        return l, s
     if backward:
         from .kernels.flash_bwd_mgpu import padded_lengths
     else:
@@ -269,26 +283,28 @@ def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool) -> tupl
 
 
 def flash_hopper(query, key, value, sinks=None, *, scale, causal, diag_offset, window=None, softcap=None,
-                 kv_len=None, programs=None):
+                 kv_len=None, programs=None, tma_edges=False):
     """(out (B, L, Hq, D), lse (B, Hq, L) float32, the sinks' logits included) on whole tiles; padded
     query rows are computed too. `sinks`: None or (Hq,) float32, one logit per query head.
-    `programs`: None (one program per tile) or the persistent grid's size (`flash_forward_mgpu`)."""
+    `programs`: None (one program per tile) or the persistent grid's size (`flash_forward_mgpu`).
+    `tma_edges`: lengths in 8-row tiles, read in place (`flash_forward_mgpu_tiles`)."""
     from .kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
     return flash_forward_mgpu_tiles(query, key, value, scale=scale, causal=causal, diag_offset=diag_offset,
                                     window=window, softcap=softcap, kv_len=kv_len, sinks=sinks, programs=programs,
-                                    **hopper_tiles("forward", query.shape[-1], key.shape[1]))
+                                    tma_edges=tma_edges, **hopper_tiles("forward", query.shape[-1], key.shape[1]))
 
 
 def flash_hopper_backward(query, key, value, d_out, lse_log2, delta, dq_accum, *, scale, causal, diag_offset,
-                          window=None, softcap=None, kv_len=None, head_splits=1, programs=None):
+                          window=None, softcap=None, kv_len=None, head_splits=1, programs=None, tma_edges=False):
     """(dq_accum + dQ float32, dK, dV): `flash_bwd_mgpu.flash_backward_mgpu_tiles` with the tuned tiles
     (with `head_splits` > 1, dK and dV as float32 partial sums (head_splits, B, S, Hk, D) to sum).
     Padded query rows must carry lse_log2 +inf and delta 0. `programs`: None (one program per key
-    block) or the persistent grid's size (`flash_backward_mgpu`)."""
+    block) or the persistent grid's size (`flash_backward_mgpu`). `tma_edges`: lengths in 8-row tiles,
+    read in place (`flash_backward_mgpu_tiles`)."""
     from .kernels.flash_bwd_mgpu import flash_backward_mgpu_tiles
 
     return flash_backward_mgpu_tiles(query, key, value, d_out, lse_log2, delta, dq_accum, scale=scale, causal=causal,
                                      diag_offset=diag_offset, window=window, softcap=softcap, kv_len=kv_len,
-                                     head_splits=head_splits, programs=programs,
+                                     head_splits=head_splits, programs=programs, tma_edges=tma_edges,
                                      **hopper_tiles("backward", query.shape[-1], key.shape[1]))

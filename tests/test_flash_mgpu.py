@@ -18,7 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the oracle is written in torch")
 jax = pytest.importorskip("jax")
-from mosaic_gpu_mode import MODE, feature_grid, fresh_interpreter, interpret_params, pytestmark  # noqa: E402,F401
+from mosaic_gpu_mode import (MODE, InterpretGPUParams, feature_grid, fresh_interpreter, interpret_params,  # noqa: E402,F401
+                             pytestmark)
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -340,3 +341,36 @@ def test_tiles_kernel_rejects_partial_tiles(l, s, kv_len, match):
     q, k, v = _inputs(np.random.default_rng(0), 1, l, s, 2, 2, 64, jnp.float16)
     with pytest.raises(ValueError, match=match):
         flash_forward_mgpu_tiles(q, k, v, scale=0.125, causal=True, kv_len=kv_len)
+
+
+@pytest.mark.parametrize("kw", [pytest.param(dict(causal=True), id="causal"),
+                                pytest.param(dict(causal=True, softcap=3.0, window=(9, 2), sinks=True), id="all"),
+                                pytest.param(dict(causal=True, programs=132), id="persistent")])
+@pytest.mark.parametrize("d, block_kv", [(64, 128), (64, 256), (128, 128)])
+def test_tma_edges_lower_for_hopper(kw, d, block_kv):
+    """With `tma_edges` the kernel takes lengths in 8-row tiles in place (L = 104, S = 136: its last
+    query and key tiles run past them) and still lowers to one Mosaic GPU kernel; Mosaic GPU refuses
+    such copies below whole 8-row tiles (`TMA_ROWS`). Running it needs the GPU (the interpreter
+    refuses copies past an array's end): `test_gpu_hopper.py`."""
+    kw = dict(kw)
+    sinks = jax.ShapeDtypeStruct((4,), jnp.float32) if kw.pop("sinks", False) else None
+    q = jax.ShapeDtypeStruct((2, 104, 4, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 136, 2, d), jnp.bfloat16)
+
+    def forward(q, k, v, sinks):
+        return flash_forward_mgpu_tiles(q, k, v, scale=0.1, sinks=sinks, block_kv=block_kv, tma_edges=True, **kw)
+    text = jax.jit(forward).trace(q, k, k, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("l, s, interpret, match", [
+    (100, 136, False, r"query length L=100, key length S=136 with tma_edges=True: expected multiples of 8"),
+    (104, 130, False, r"S=130 with tma_edges=True: expected multiples of 8 .*hint: tma_edges=False and whole tiles, "
+                      r"flash_forward_mgpu pads"),
+    (104, 136, True, r"tma_edges=True with interpret-mode parameters: expected a GPU"),
+])
+def test_tma_edges_are_checked(l, s, interpret, match):
+    q, k, v = _inputs(np.random.default_rng(0), 1, l, s, 2, 2, 64, jnp.float16)
+    with pytest.raises(ValueError, match=match):
+        flash_forward_mgpu_tiles(q, k, v, scale=0.125, causal=True, tma_edges=True,
+                                 interpret=InterpretGPUParams() if interpret else None)

@@ -21,7 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the oracle is written in torch")
 jax = pytest.importorskip("jax")
-from mosaic_gpu_mode import MODE, feature_grid, fresh_interpreter, interpret_params, pytestmark  # noqa: E402,F401
+from mosaic_gpu_mode import (MODE, InterpretGPUParams, feature_grid, fresh_interpreter, interpret_params,  # noqa: E402,F401
+                             pytestmark)
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -488,3 +489,40 @@ def test_tiles_kernel_rejects_partial_tiles(l, s, kv_len, match):
     with pytest.raises(ValueError, match=match):
         flash_backward_mgpu_tiles(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.125, causal=True,
                                   kv_len=kv_len)
+
+
+@pytest.mark.parametrize("kw", [pytest.param(dict(causal=True), id="causal"),
+                                pytest.param(dict(causal=True, softcap=3.0, window=(9, 2)), id="all"),
+                                pytest.param(dict(causal=True, programs=132, head_splits=2), id="persistent-splits")])
+@pytest.mark.parametrize("d, block_q", [(64, 128), (128, 64)], ids=["d64-dq-rows", "d128"])
+@pytest.mark.parametrize("layout", ["heads", "folded"])
+def test_tma_edges_lower_for_hopper(kw, d, block_q, layout):
+    """With `tma_edges` the kernel takes lengths in 8-row tiles in place (L = 104, S = 136: its last
+    query and key tiles run past them) and still lowers to one Mosaic GPU kernel; Mosaic GPU refuses
+    such copies below whole 8-row tiles (`TMA_ROWS`). Running it needs the GPU (the interpreter
+    refuses copies past an array's end): `test_gpu_hopper.py`."""
+    b, hq, hk = (1, 4, 2) if layout == "heads" else (8, 1, 1)
+    q = jax.ShapeDtypeStruct((b, 104, hq, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b // 2 if layout == "folded" else b, 136, hk, d), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((b, hq, 104), jnp.float32)
+
+    def backward(q, k, v, do, lse, delta, acc):
+        return flash_backward_mgpu_tiles(q, k, v, do, lse, delta, acc, scale=0.1, block_q=block_q, tma_edges=True,
+                                         **kw)
+    text = jax.jit(backward).trace(q, k, k, q, rows, rows, jax.ShapeDtypeStruct(q.shape, jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("l, s, interpret, match", [
+    (100, 136, False, r"query length L=100, key length S=136 with tma_edges=True: expected multiples of 8"),
+    (104, 130, False, r"L=104, key length S=130 with tma_edges=True: expected multiples of 8 .*hint: tma_edges=False"),
+    (104, 136, True, r"tma_edges=True with interpret-mode parameters: expected a GPU"),
+])
+def test_tma_edges_are_checked(l, s, interpret, match):
+    q = jnp.zeros((1, l, 2, 64), jnp.float16)
+    k = jnp.zeros((1, s, 2, 64), jnp.float16)
+    rows = jnp.zeros((1, 2, l), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        flash_backward_mgpu_tiles(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.125, causal=True,
+                                  tma_edges=True, interpret=InterpretGPUParams() if interpret else None)

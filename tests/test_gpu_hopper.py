@@ -382,12 +382,40 @@ def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dty
     """The Hopper launch the native launcher takes (`hopper_flash`) on a window and/or a soft cap and
     lengths that are not whole tiles: out, dq, dk, dv against the float64 reference under the 2x rule,
     and both Mosaic GPU kernels ran."""
+    _assert_hopper_flash_against_float64(monkeypatch, dtype, hq, hk, l, s, kw)
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hk, l, s, kw", [
+    (8, 8, 4104, 4104, dict(causal=True)),  # folded (B, H, T, D), 8 rows past the last whole tile
+    (8, 2, 1000, 1032, dict(causal=True, window=(300, 0), bottom_right=True, d=64)),  # GQA, L < S
+    (8, 4, 2056, 1000, dict(softcap=30.0, causal=True)),  # L > S: rows that see every key
+    (8, 2, 3000, 5000, dict(softcap=15.0, window=(512, 64), bottom_right=True, sinks=True)),  # all of them
+])
+def test_lengths_in_whole_tma_tiles_run_in_place(monkeypatch, dtype, hq, hk, l, s, kw):
+    """With `calls.HOPPER_TMA_EDGES`, lengths that are whole 8-row TMA tiles but not whole kernel tiles
+    go to the kernels in place (no padded copy; the last tiles run past the arrays' ends): out, dq, dk,
+    dv (and the sinks' gradient) against the float64 reference under the 2x rule."""
+    monkeypatch.setattr(calls, "HOPPER_TMA_EDGES", True)
+    copies, real = [], hopper_flash._padded
+
+    def padded(t, n, dim):
+        if t.shape[dim] != n:
+            copies.append((tuple(t.shape), n))
+        return real(t, n, dim)
+    monkeypatch.setattr(hopper_flash, "_padded", padded)
+    _assert_hopper_flash_against_float64(monkeypatch, dtype, hq, hk, l, s, kw)
+    assert copies == [], copies
+
+
+def _assert_hopper_flash_against_float64(monkeypatch, dtype, hq, hk, l, s, kw):
     ran = []
     for name in ("_FORWARD", "_BACKWARD"):
         kernel = getattr(hopper_flash, name)
         monkeypatch.setattr(kernel, "launch", lambda t, s, _real=kernel.launch, _name=name: ran.append(_name) or _real(t, s))
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
-    d = 128
+    d = kw.get("d", 128)
     q, do = (torch.randn(1, hq, l, d, generator=gen, device="cuda", dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(1, hk, s, d, generator=gen, device="cuda", dtype=torch.float64) for _ in range(2))
     q, k, v, do = (x.to(dtype).double() for x in (q, k, v, do))  # exactly representable inputs

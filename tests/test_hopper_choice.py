@@ -304,3 +304,24 @@ def test_programs_decide_the_shorter_threshold_only_where_they_run(monkeypatch):
     assert hopper_program.may_run(q, k, v, cfg, False)  # another signature
     monkeypatch.setenv(triton_program.ENV_SWITCH, "0")
     assert not hopper_program.may_run(q, k, v, cfg, False)
+
+
+@pytest.mark.parametrize("flag, device, l, s, d, backward, want", [
+    (False, "cuda", 104, 136, 128, False, (128, 256, False)),  # off: padded to whole tiles
+    (True, "cuda", 104, 136, 128, False, (104, 136, True)),    # whole 8-row tiles: in place
+    (True, "cuda", 104, 136, 64, True, (104, 136, True)),      # the backward at head dim 64 too
+    (True, "cuda", 97, 136, 128, False, (128, 256, False)),    # L not in 8-row tiles: padded
+    (True, "cuda", 128, 130, 128, True, (128, 256, False)),    # S not in 8-row tiles: padded
+    (True, "cuda", 256, 384, 128, False, (256, 384, False)),   # whole kernel tiles: nothing past them
+    (True, "cpu", 104, 136, 128, False, (128, 256, False)),    # interpreted kernels pad
+])
+def test_lengths_in_whole_tma_tiles_go_in_place_on_a_gpu_when_switched_on(monkeypatch, flag, device, l, s, d,
+                                                                        backward, want):
+    """`hopper_flash.kernel_lengths`: with `calls.HOPPER_TMA_EDGES`, on a GPU, lengths in whole 8-row
+    TMA tiles reach the kernels in place (`tma_edges`, the last tiles running past them); otherwise, and
+    always on the CPU (the interpreter refuses copies past an array's end), padded to whole tiles."""
+    from jaxattn.jax_core import calls
+
+    monkeypatch.setattr(calls, "HOPPER_TMA_EDGES", flag)
+    assert hopper_flash.kernel_lengths(l, s, d, backward, torch.device(device)) == want
+    assert calls.hopper_padded_lengths(l, s, d, backward, tma_edges=flag and device == "cuda") == want[:2]

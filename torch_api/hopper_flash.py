@@ -21,7 +21,9 @@ Any lengths: the kernels move whole tiles (128 query rows and 128 keys serve bot
 head-dim-64 forward over more than 2048 keys, `calls.hopper_tiles`), so a tensor whose length is not a whole number of tiles is copied once into a
 zero-padded buffer (the copy a non-contiguous layout takes anyway), the kernels get the true key
 count and mask the padded keys, padded query rows get LSE +inf and delta 0 in the backward (so they
-add nothing), and the results are views of the true rows. Whole tiles keep the zero-copy views.
+add nothing), and the results are views of the true rows. Whole tiles keep the zero-copy views. With
+`calls.HOPPER_TMA_EDGES` (off until run on a GPU), lengths in whole 8-row TMA tiles go in place on a
+GPU instead (`kernel_lengths`): the kernels' last tiles run past them.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
 run; `torch.use_deterministic_algorithms(True)` keeps such calls on the Triton kernels.
@@ -203,6 +205,17 @@ def _torch_view(x: torch.Tensor, like: torch.Tensor, folded: bool) -> torch.Tens
     return x[:, :t].transpose(1, 2)
 
 
+def kernel_lengths(l: int, s: int, d: int, backward: bool, device: torch.device) -> tuple[int, int, bool]:
+    """(rows, keys, tma_edges): the lengths the kernels get for L queries and S keys on `device`, and
+    whether they are not whole tiles but read in place (`calls.HOPPER_TMA_EDGES`, on a GPU only: the
+    interpreted kernels pad)."""
+    whole = calls.hopper_padded_lengths(l, s, d, backward=backward)
+    if not (calls.HOPPER_TMA_EDGES and device.type == "cuda"):
+        return (*whole, False)
+    rows, keys = calls.hopper_padded_lengths(l, s, d, backward=backward, tma_edges=True)
+    return rows, keys, (rows, keys) != whole
+
+
 def _static(cfg: FlashConfig, kv_len: int) -> dict:
     window = None if tuple(cfg.window) == (-1, -1) else tuple(int(w) for w in cfg.window)
     return dict(scale=float(cfg.scale), causal=bool(cfg.causal), diag_offset=int(cfg.diag_offset), window=window,
@@ -214,8 +227,8 @@ def forward_programs(device: torch.device) -> Optional[int]:
     return calls.hopper_forward_programs(multiprocessors(device, HOPPER_INTERPRETED_SMS))
 
 
-def _forward_static(cfg: FlashConfig, kv_len: int, device: torch.device) -> dict:
-    return dict(_static(cfg, kv_len), programs=forward_programs(device))
+def _forward_static(cfg: FlashConfig, kv_len: int, device: torch.device, tma_edges: bool) -> dict:
+    return dict(_static(cfg, kv_len), programs=forward_programs(device), tma_edges=tma_edges)
 
 
 def backward_programs(device: torch.device) -> Optional[int]:
@@ -223,26 +236,28 @@ def backward_programs(device: torch.device) -> Optional[int]:
     return calls.hopper_backward_programs(multiprocessors(device, HOPPER_INTERPRETED_SMS))
 
 
-def _backward_static(cfg: FlashConfig, kv_len: int, kq: torch.Tensor, kk: torch.Tensor, device: torch.device) -> dict:
-    """The backward kernel's settings for the kernel views kq (queries) and kk (keys, padded): the
-    persistent grid on `device` and the head splits it wants (`calls.hopper_head_splits`)."""
+def _backward_static(cfg: FlashConfig, kv_len: int, kq: torch.Tensor, kk: torch.Tensor, device: torch.device,
+                     tma_edges: bool) -> dict:
+    """The backward kernel's settings for the kernel views kq (queries) and kk (keys, padded or in place
+    with `tma_edges`): the persistent grid on `device` and the head splits it wants
+    (`calls.hopper_head_splits`)."""
     programs = backward_programs(device)
     batch, _, heads, d = kq.shape
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], kk.shape[1], d, persistent=programs is not None,
                                       kv_batch=kk.shape[0])
-    return dict(_static(cfg, kv_len), head_splits=splits, programs=programs)
+    return dict(_static(cfg, kv_len), head_splits=splits, programs=programs, tma_edges=tma_edges)
 
 
 def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, L, D), lse (B, Hq, L) float32), no gradient; `sinks`: None or (Hq,) float logits,
     one per query head, in each row's softmax normaliser (and so in the LSE)."""
     l, s = q.shape[2], k.shape[2]
-    rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=False)
+    rows, keys, edges = kernel_lengths(l, s, q.shape[-1], False, q.device)
     (kq, kk, kv), folded = _kernel_views((q, k, v), (rows, keys, keys))
     if sinks is not None:  # folded: the kernels' batch is (B, H) pairs, one sink each
         sinks = sinks.detach().float()
         sinks = (sinks.repeat(q.shape[0]).view(-1, 1) if folded else sinks.contiguous(),)
-    out, lse = _FORWARD(kq, kk, kv, *(sinks or ()), **_forward_static(cfg, s, q.device))
+    out, lse = _FORWARD(kq, kk, kv, *(sinks or ()), **_forward_static(cfg, s, q.device, edges))
     return _torch_view(out, q, folded), lse.view(*q.shape[:2], rows)[..., :l]
 
 
@@ -251,7 +266,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
     """(dq, dk, dv) in (B, H, T, D) shapes of the inputs' dtype, and d sinks ((Hq,) of the sinks' dtype;
     None without sinks), from the forward's out and lse."""
     l, s = q.shape[2], k.shape[2]
-    rows, keys = calls.hopper_padded_lengths(l, s, q.shape[-1], backward=True)
+    rows, keys, edges = kernel_lengths(l, s, q.shape[-1], True, q.device)
     if rows == l and (dout.stride() != out.stride() or dout.dtype != q.dtype):
         # The kernel reads dO in out's layout: one copy of dO (as torch's own flash backward takes)
         # keeps q, k and v in place, where dO in another layout would send all four to copies.
@@ -261,7 +276,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
     lse_log2, delta = torch.empty((2, batch, heads, rows), dtype=torch.float32, device=q.device).unbind(0)
     accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)
     backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
-    static = _backward_static(cfg, s, kq, kk, q.device)
+    static = _backward_static(cfg, s, kq, kk, q.device, edges)
     splits = static["head_splits"]
     dq, dk, dv = _BACKWARD(kq, kk, kv, kdo, lse_log2, delta, accum, **static)
     if splits > 1:  # dK, dV as the splits' float32 partial sums

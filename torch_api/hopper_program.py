@@ -69,9 +69,9 @@ def may_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig,
 def in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> bool:
     """Whether the kernels read these inputs in place (no padding, no copy)."""
     l, s, d = q.shape[2], k.shape[2], q.shape[-1]
-    if calls.hopper_padded_lengths(l, s, d, backward=False) != (l, s):
+    if _hopper.kernel_lengths(l, s, d, False, q.device)[:2] != (l, s):
         return False
-    if backward and calls.hopper_padded_lengths(l, s, d, backward=True) != (l, s):
+    if backward and _hopper.kernel_lengths(l, s, d, True, q.device)[:2] != (l, s):
         return False
     tensors = (q, k, v)
     if all(t.is_contiguous() for t in tensors):  # (batch, head) pairs folded, with or without GQA
@@ -139,7 +139,8 @@ def _register(q, k, v, cfg: FlashConfig, saved: Optional[tuple]) -> Optional[int
     Python path's out and lse of a call just run); None where a launch cannot run compiled."""
     l, s = q.shape[2], k.shape[2]
     (kq, kk, kv), folded = _hopper._kernel_views((q, k, v), (l, s, s))
-    static = _hopper._forward_static(cfg, s, q.device)
+    edges = _hopper.kernel_lengths(l, s, q.shape[-1], False, q.device)[2]  # read in place either way
+    static = _hopper._forward_static(cfg, s, q.device, edges)
     forward = _hopper._FORWARD.host_launch(_meta(kq, kk, kv), static)
     if forward is None:
         return None
@@ -166,7 +167,8 @@ def _register_train(q, k, v, cfg, saved, kernel_inputs, folded, common, saved_bu
     allocs = [row_vector, row_vector, _layout(accum)]  # 6 delta, 7 lse_log2, 8 dQ's accumulator
     # The operands pass reads dO in out's layout, which the program's gradient layout is.
     operands = _hopper.operands_launch(out_t, out_t, lse_t, accum, rows, folded)
-    static = _hopper._backward_static(cfg, k.shape[2], kq, kk, q.device)
+    edges = _hopper.kernel_lengths(q.shape[2], k.shape[2], q.shape[-1], True, q.device)[2]
+    static = _hopper._backward_static(cfg, k.shape[2], kq, kk, q.device, edges)
     splits = static["head_splits"]
     rows_meta = torch.empty((batch, heads, rows), dtype=f32, device="meta")
     backward = _hopper._BACKWARD.host_launch((*_meta(kq, kk, kv, kq), rows_meta, rows_meta.clone(), accum), static)

@@ -660,19 +660,26 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
 
 def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, kv_len=None, diag_offset=0,
                               block_q=64, block_kv=64, stages=2, window=None, softcap=None, head_splits=1,
-                              programs=None, interpret=None):
+                              programs=None, tma_edges=False, interpret=None):
     """`flash_backward_mgpu` on whole tiles: L a multiple of block_q, S of 2 * block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding. Padded query rows
     must hold lse_log2 = +inf and delta = 0 (they then add nothing to dK, dV; their dQ is computed
     and left to the caller to drop); padding must be finite (zeros, say). One Mosaic GPU kernel call
     and nothing else, so that `plgpu.as_torch_kernel` can launch a function that calls this on torch
     tensors. With `head_splits` > 1, dK and dV come as float32 partial sums (head_splits, B, S, Hk, D)
-    for the caller to sum."""
+    for the caller to sum.
+
+    `tma_edges` (GPU only): L and S any multiples of 8 instead, read in place (lse_log2, delta and
+    dq_accum of L rows too). The last tiles run past them: TMA fills the rows it loads past an array's
+    end with zeros and drops the rows it stores or adds there. Keys past S are masked as padding is;
+    a query row past L has zero q, dO, LSE and delta, so its P is 1 where it sees a key but its dP is
+    0, and it adds P^T dO = 0 to dV and dS^T q = 0 to dK."""
     _check(q, k, v, do, lse_log2, delta, dq_accum, scale=scale, diag_offset=diag_offset, window=window,
            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages)
     kv_len = k.shape[1] if kv_len is None else kv_len
     check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv, rows=("block_q", block_q),
-                      keys=("2 * block_kv", COMPUTE_WGS * block_kv), caller="flash_backward_mgpu")
+                      keys=("2 * block_kv", COMPUTE_WGS * block_kv), caller="flash_backward_mgpu",
+                      tma_edges=tma_edges, interpret=interpret)
     return _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
         kv_len=int(kv_len), block_q=block_q, block_kv=block_kv, stages=stages, head_splits=head_splits,
@@ -681,7 +688,8 @@ def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, 
 
 def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, block_q, block_kv, stages, head_splits,
               programs, interpret):
-    """The kernel's static settings for checked arguments on whole tiles."""
+    """The kernel's static settings for checked arguments (whole tiles, or the last ones running past L
+    and S with `tma_edges`)."""
     group, batches = q.shape[2] // k.shape[2], batch_group(q, k)
     if not (isinstance(head_splits, int) and head_splits >= 1 and (group * batches) % head_splits == 0):
         raise ValueError(f"head_splits={head_splits!r}: expected a positive divisor of the query heads per KV head "
@@ -695,11 +703,11 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
-    b, columns, key_blocks = k.shape[0], k.shape[2] * head_splits, k.shape[1] // (COMPUTE_WGS * block_kv)
+    b, columns, key_blocks = k.shape[0], k.shape[2] * head_splits, pl.cdiv(k.shape[1], COMPUTE_WGS * block_kv)
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
-                     stages=stages, group=group, batches=batches, splits=head_splits, num_q_blocks=q.shape[1] // block_q,
+                     stages=stages, group=group, batches=batches, splits=head_splits, num_q_blocks=pl.cdiv(q.shape[1], block_q),
                      items=_Items(batch=b, columns=columns, waves=waves(b * columns * key_blocks, programs)),
                      interpret=interpret)
 

@@ -333,17 +333,22 @@ def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, blo
 
 
 def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset=0, block_q=64, block_kv=128,
-                             stages=2, window=None, softcap=None, sinks=None, programs=None, interpret=None):
+                             stages=2, window=None, softcap=None, sinks=None, programs=None, tma_edges=False,
+                             interpret=None):
     """`flash_forward_mgpu` on whole tiles: L a multiple of 2 * block_q, S of block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding, padded query rows
     computed like the others. Padding must be finite (zeros, say): a masked key's weight is 0, and
     0 * NaN is NaN. One Mosaic GPU kernel call and nothing else, so that `plgpu.as_torch_kernel`
-    can launch a function that calls this on torch tensors."""
+    can launch a function that calls this on torch tensors.
+
+    `tma_edges` (GPU only): L and S any multiples of 8 instead, read in place. The last tiles run past
+    them: TMA fills the rows it loads past an array's end with zeros (keys past S are masked as
+    padding is; query rows past L compute on zeros) and drops the rows it stores there."""
     band, tiles = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
                                 softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages,
                                 programs=programs, per_batch_sinks=True)
     kv_len = band.kv_len if kv_len is None else kv_len
-    check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv)
+    check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv, tma_edges=tma_edges, interpret=interpret)
     return _launch(q, k, v, sinks, band=dataclasses.replace(band, kv_len=int(kv_len)), tiles=tiles, scale=scale,
                    softcap=softcap, stages=stages, interpret=interpret)
 

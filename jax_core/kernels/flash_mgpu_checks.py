@@ -73,12 +73,31 @@ def check_tiling(d, itemsize, block_q, block_kv, stages, q_slots=1):
                          + (", or one tile per program (programs=None)" if q_slots > 1 else ""))
 
 
-def check_whole_tiles(l, s, kv_len, block_q, block_kv, *, rows=None, keys=None, caller="flash_forward_mgpu"):
+#: Rows of the 8-row tiles that Mosaic GPU's tiled, swizzled copies move between global and shared
+#: memory: with `tma_edges`, L and S must be whole numbers of them.
+TMA_ROWS = 8
+
+
+def check_whole_tiles(l, s, kv_len, block_q, block_kv, *, rows=None, keys=None, caller="flash_forward_mgpu",
+                      tma_edges=False, interpret=None):
     """The kernels themselves stream whole tiles: L a multiple of `rows` (the forward: 2 * block_q,
     the default), S of `keys` (the forward: block_kv, the default), and kv_len (the true key count,
-    keys past it masked) within the last key tile. `caller`: the padding entry the hints name."""
+    keys past it masked) within the last key tile. `caller`: the padding entry the hints name.
+
+    With `tma_edges`, the last query and key tiles may run past L and S instead: TMA zero-fills the
+    rows of a load past an array's end and drops those of a store, which needs L and S in whole
+    TMA_ROWS-row tiles, and a GPU (the interpreter refuses out-of-bounds copies)."""
     rows = ("2 * block_q", COMPUTE_WGS * block_q) if rows is None else rows
     keys = ("block_kv", block_kv) if keys is None else keys
+    if tma_edges:
+        if interpret is not None:
+            raise ValueError("tma_edges=True with interpret-mode parameters: expected a GPU (the interpreter "
+                             f"refuses copies past an array's end); hint: tma_edges=False, {caller} pads")
+        if l % TMA_ROWS or s % TMA_ROWS:
+            raise ValueError(f"query length L={l}, key length S={s} with tma_edges=True: expected multiples of "
+                             f"{TMA_ROWS} (Mosaic GPU's tiled copies move whole {TMA_ROWS}-row tiles); hint: "
+                             f"tma_edges=False and whole tiles, {caller} pads")
+        rows, keys = (rows[0], TMA_ROWS), (keys[0], TMA_ROWS)
     if l % rows[1]:
         equals = f"{rows[0]} = {rows[1]}" if "*" in rows[0] else f"{rows[0]}={rows[1]}"
         raise ValueError(f"query length L={l}: expected a multiple of {equals}; hint: {caller} pads the "
