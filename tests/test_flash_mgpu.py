@@ -18,8 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the oracle is written in torch")
 jax = pytest.importorskip("jax")
-from mosaic_gpu_mode import (MODE, InterpretGPUParams, feature_grid, fresh_interpreter, interpret_params,  # noqa: E402,F401
-                             pytestmark)
+from mosaic_gpu_mode import (MODE, InterpretGPUParams, feature_grid, fresh_interpreter,  # noqa: E402,F401
+                             interpret_params, pytestmark)
 
 import jax.numpy as jnp  # noqa: E402
 

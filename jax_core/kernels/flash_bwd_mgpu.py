@@ -707,7 +707,8 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
-                     stages=stages, group=group, batches=batches, splits=head_splits, num_q_blocks=pl.cdiv(q.shape[1], block_q),
+                     stages=stages, group=group, batches=batches, splits=head_splits,
+                     num_q_blocks=pl.cdiv(q.shape[1], block_q),
                      items=_Items(batch=b, columns=columns, waves=waves(b * columns * key_blocks, programs)),
                      interpret=interpret)
 
