@@ -330,17 +330,24 @@ def test_rejects_bad_arguments(kw, match):
         flash_forward_mgpu(q, k, v, **kw)
 
 
-@pytest.mark.parametrize("l, s, kv_len, match", [
-    (192, 256, None, r"query length L=192: expected a multiple of 2 \* block_q = 128; hint: flash_forward_mgpu pads"),
-    (128, 160, None, r"key length S=160: expected a multiple of block_kv=128"),
-    (128, 256, 128, r"kv_len=128: expected an int in \(128, 256\]"),
-    (128, 256, 257, r"kv_len=257: expected an int in \(128, 256\]"),
-    (128, 256, 200.0, r"kv_len=200.0: expected an int"),
+@pytest.mark.parametrize("l, s, kw, match", [
+    (192, 256, {}, r"query length L=192: expected a multiple of 2 \* block_q = 128; hint: flash_forward_mgpu pads"),
+    (128, 160, {}, r"key length S=160: expected a multiple of block_kv=128"),
+    (128, 256, dict(kv_len=128), r"kv_len=128: expected an int in \(128, 256\]"),
+    (128, 256, dict(kv_len=257), r"kv_len=257: expected an int in \(128, 256\]"),
+    (128, 256, dict(kv_len=200.0), r"kv_len=200.0: expected an int"),
+    # tma_edges: lengths in whole 8-row TMA tiles, on the GPU only
+    (100, 136, dict(tma_edges=True), r"query length L=100, key length S=136 with tma_edges=True: expected "
+                                     r"multiples of 8"),
+    (104, 130, dict(tma_edges=True), r"S=130 with tma_edges=True: expected multiples of 8 .*hint: tma_edges=False and "
+                                     r"whole tiles, flash_forward_mgpu pads"),
+    (104, 136, dict(tma_edges=True, interpret=True), r"tma_edges=True with interpret-mode parameters: expected a GPU"),
 ])
-def test_tiles_kernel_rejects_partial_tiles(l, s, kv_len, match):
+def test_tiles_kernel_rejects_partial_tiles(l, s, kw, match):
+    kw = dict(kw, interpret=InterpretGPUParams() if kw.get("interpret") else None)
     q, k, v = _inputs(np.random.default_rng(0), 1, l, s, 2, 2, 64, jnp.float16)
     with pytest.raises(ValueError, match=match):
-        flash_forward_mgpu_tiles(q, k, v, scale=0.125, causal=True, kv_len=kv_len)
+        flash_forward_mgpu_tiles(q, k, v, scale=0.125, causal=True, **kw)
 
 
 @pytest.mark.parametrize("kw", [pytest.param(dict(causal=True), id="causal"),
@@ -362,15 +369,3 @@ def test_tma_edges_lower_for_hopper(kw, d, block_kv):
     text = jax.jit(forward).trace(q, k, k, sinks).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
 
-
-@pytest.mark.parametrize("l, s, interpret, match", [
-    (100, 136, False, r"query length L=100, key length S=136 with tma_edges=True: expected multiples of 8"),
-    (104, 130, False, r"S=130 with tma_edges=True: expected multiples of 8 .*hint: tma_edges=False and whole tiles, "
-                      r"flash_forward_mgpu pads"),
-    (104, 136, True, r"tma_edges=True with interpret-mode parameters: expected a GPU"),
-])
-def test_tma_edges_are_checked(l, s, interpret, match):
-    q, k, v = _inputs(np.random.default_rng(0), 1, l, s, 2, 2, 64, jnp.float16)
-    with pytest.raises(ValueError, match=match):
-        flash_forward_mgpu_tiles(q, k, v, scale=0.125, causal=True, tma_edges=True,
-                                 interpret=InterpretGPUParams() if interpret else None)

@@ -475,20 +475,27 @@ def test_rejects_bad_arguments(kw, match):
         flash_backward_mgpu(q, k, k, do, lse, jnp.zeros((b, hq, l), jnp.float32), acc, **kw)
 
 
-@pytest.mark.parametrize("l, s, kv_len, match", [
-    (96, 256, None, r"query length L=96: expected a multiple of block_q=64; hint: flash_backward_mgpu pads"),
-    (128, 192, None, r"key length S=192: expected a multiple of 2 \* block_kv = 128; hint: flash_backward_mgpu"),
-    (128, 256, 128, r"kv_len=128: expected an int in \(128, 256\]"),
-    (128, 256, 257, r"kv_len=257: expected an int in \(128, 256\]"),
-    (128, 256, 200.0, r"kv_len=200.0: expected an int"),
+@pytest.mark.parametrize("l, s, kw, match", [
+    (96, 256, {}, r"query length L=96: expected a multiple of block_q=64; hint: flash_backward_mgpu pads"),
+    (128, 192, {}, r"key length S=192: expected a multiple of 2 \* block_kv = 128; hint: flash_backward_mgpu"),
+    (128, 256, dict(kv_len=128), r"kv_len=128: expected an int in \(128, 256\]"),
+    (128, 256, dict(kv_len=257), r"kv_len=257: expected an int in \(128, 256\]"),
+    (128, 256, dict(kv_len=200.0), r"kv_len=200.0: expected an int"),
+    # tma_edges: lengths in whole 8-row TMA tiles, on the GPU only
+    (100, 136, dict(tma_edges=True), r"query length L=100, key length S=136 with tma_edges=True: expected "
+                                     r"multiples of 8"),
+    (104, 130, dict(tma_edges=True), r"L=104, key length S=130 with tma_edges=True: expected multiples of 8 .*hint: "
+                                     r"tma_edges=False"),
+    (104, 136, dict(tma_edges=True, interpret=True), r"tma_edges=True with interpret-mode parameters: expected a GPU"),
 ])
-def test_tiles_kernel_rejects_partial_tiles(l, s, kv_len, match):
+def test_tiles_kernel_rejects_partial_tiles(l, s, kw, match):
+    kw = dict(kw, interpret=InterpretGPUParams() if kw.get("interpret") else None)
     q = jnp.zeros((1, l, 2, 64), jnp.float16)
     k = jnp.zeros((1, s, 2, 64), jnp.float16)
     rows = jnp.zeros((1, 2, l), jnp.float32)
     with pytest.raises(ValueError, match=match):
         flash_backward_mgpu_tiles(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.125, causal=True,
-                                  kv_len=kv_len)
+                                  **kw)
 
 
 @pytest.mark.parametrize("kw", [pytest.param(dict(causal=True), id="causal"),
@@ -513,16 +520,3 @@ def test_tma_edges_lower_for_hopper(kw, d, block_q, layout):
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
 
-
-@pytest.mark.parametrize("l, s, interpret, match", [
-    (100, 136, False, r"query length L=100, key length S=136 with tma_edges=True: expected multiples of 8"),
-    (104, 130, False, r"L=104, key length S=130 with tma_edges=True: expected multiples of 8 .*hint: tma_edges=False"),
-    (104, 136, True, r"tma_edges=True with interpret-mode parameters: expected a GPU"),
-])
-def test_tma_edges_are_checked(l, s, interpret, match):
-    q = jnp.zeros((1, l, 2, 64), jnp.float16)
-    k = jnp.zeros((1, s, 2, 64), jnp.float16)
-    rows = jnp.zeros((1, 2, l), jnp.float32)
-    with pytest.raises(ValueError, match=match):
-        flash_backward_mgpu_tiles(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.125, causal=True,
-                                  tma_edges=True, interpret=InterpretGPUParams() if interpret else None)
