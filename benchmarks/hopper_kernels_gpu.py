@@ -61,13 +61,13 @@ def sms():
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-ROUNDS = [3]  # `--rounds`
+ROUNDS = 3  # rounds of the variants in turn (`--rounds`)
 
 
 def timed(fns: dict, flops: float, rounds=None) -> dict:
     """{name: (median µs, TFLOP/s, per-round µs)}, the variants timed in turn, `rounds` times."""
     times = {name: [] for name in fns}
-    for _ in range(rounds or ROUNDS[0]):
+    for _ in range(rounds or ROUNDS):
         for name, fn in fns.items():
             times[name].append(time_jax(fn, iters=10, repeats=3))
     return {name: (statistics.median(t), flops / statistics.median(t) / 1e6, [round(x, 1) for x in t])
@@ -205,7 +205,8 @@ def main():
     if ("variant" in (args.part or ())) != (args.variant is not None) or args.rounds < 1:
         parser.error(f"--part {args.part}, --variant {args.variant!r}, --rounds {args.rounds}: expected --variant "
                      "FILE exactly with --part variant, and at least one round")
-    ROUNDS[0] = args.rounds
+    global ROUNDS
+    ROUNDS = args.rounds
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
