@@ -15,7 +15,9 @@ Rows, causal bf16:
       at short lengths (`calls.HOPPER_FORWARD_SHORT`);
     * "variant": the backward as is against a modified copy of `flash_bwd_mgpu.py` (`--variant`, loaded
       as a module of the same package), both on the persistent grid with the tuned tiles and head
-      splits, and torch cuDNN's backward, at the "grids" shapes. `docs/bench/variants/*.patch` are the
+      splits, and torch cuDNN's backward, at the "grids" shapes; or, for a copy of
+      `flash_fwd_mgpu.py`, the forward likewise (and the variant with other tiles at head dim 64)
+      against cuDNN's forward at `FORWARD_VARIANT_SHAPES`. `docs/bench/variants/*.patch` are the
       variants BENCHMARKS.md reports (`git apply` one to a copy of the checkout, or `patch -o`).
 The residuals the backward reads come from our forward. Timing: `gpu_timing.time_jax` (back-to-back
 calls, then block_until_ready) and `time_torch`, `--rounds` rounds (default 3) of the variants in turn, median.
@@ -171,12 +173,27 @@ def forward_tiles(rows):
         print(f"{shape}: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items()), flush=True)
 
 
-def variant(rows, path):
-    """The backward as is against the copy of `flash_bwd_mgpu.py` at `path`."""
+# Forward variants: (B, L, H, D) causal, and the tiles each is timed with beside the tuned ones.
+FORWARD_VARIANT_SHAPES = [(1, 16384, 16, 128), (2, 8192, 16, 128), (8, 1024, 16, 128), (4, 4096, 16, 64),
+                          (16, 1024, 16, 64), (1, 8192, 16, 64)]
+FORWARD_VARIANT_TILES = {64: [dict(block_q=64, block_kv=128, stages=2), dict(block_q=64, block_kv=128, stages=3)],
+                         128: []}
+
+
+def _load_variant(path):
     spec = importlib.util.spec_from_file_location("jaxattn.jax_core.kernels._variant", path)
     module = importlib.util.module_from_spec(spec)  # in the kernels' package: its relative imports resolve
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def variant(rows, path):
+    """The kernel as is against the modified copy at `path`: of `flash_bwd_mgpu.py` (the backward at
+    the "grids" shapes) or of `flash_fwd_mgpu.py` (the forward at `FORWARD_VARIANT_SHAPES`)."""
+    module = _load_variant(path)
+    if hasattr(module, "flash_forward_mgpu_tiles"):
+        return forward_variant(rows, path, module)
     for shape in GRID_SHAPES:
         b, l, hq, hk, d = shape
         splits = calls.hopper_head_splits(b, hq, hk, l, d)
@@ -191,6 +208,41 @@ def variant(rows, path):
               + f" | cudnn {cudnn:.1f} us", flush=True)
 
 
+def cudnn_forward_us(b, l, h, d):
+    q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+        return time_torch(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), iters=10)
+
+
+def forward_variant(rows, path, module):
+    for shape in FORWARD_VARIANT_SHAPES:
+        b, l, h, d = shape
+        keys = jax.random.split(jax.random.key(1), 3)
+        q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+        tuned = calls.hopper_tiles("forward", d, l)
+        options = {"as is": (flash_forward_mgpu_tiles, tuned), "variant": (module.flash_forward_mgpu_tiles, tuned)}
+        options.update({f"variant {t['block_kv']}x{t['stages']}": (module.flash_forward_mgpu_tiles, t)
+                        for t in FORWARD_VARIANT_TILES[d] if t != tuned})
+        fns, first = {}, None
+        for name, (kernel, tiles) in options.items():
+            fn = jax.jit(functools.partial(kernel, scale=d ** -0.5, causal=True, programs=sms(), **tiles))
+            try:
+                out, lse = jax.block_until_ready(fn(q, k, v))
+            except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported
+                print(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+                continue
+            first = out if first is None else first
+            diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - first.astype(jnp.float32))))
+            print(f"    {name}: max abs difference of out from the first {diff}", flush=True)
+            fns[name] = functools.partial(fn, q, k, v)
+        result = timed(fns, causal_flops(b, h, l, d))
+        cudnn = cudnn_forward_us(b, l, h, d)
+        rows.append(dict(part="variant", variant=str(path), shape=list(shape), cudnn_us=cudnn,
+                         variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()}))
+        print(f"{shape} forward: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items())
+              + f" | cudnn {cudnn:.1f} us", flush=True)
+
+
 PARTS = {"grids": grids, "splits": splits, "forward-tiles": forward_tiles, "variant": variant}
 
 
@@ -199,7 +251,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--part", choices=sorted(PARTS), action="append",
                         help="one part (repeatable); default grids, splits and forward-tiles")
-    parser.add_argument("--variant", default=None, help="the modified flash_bwd_mgpu.py that --part variant times")
+    parser.add_argument("--variant", default=None, help="the modified flash_bwd_mgpu.py or flash_fwd_mgpu.py that --part variant times")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants in turn")
     args = parser.parse_args()
     if ("variant" in (args.part or ())) != (args.variant is not None) or args.rounds < 1:

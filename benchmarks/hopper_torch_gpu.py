@@ -2,7 +2,7 @@
 same drop-in on the Triton kernels and torch's own SDPA backends (cuDNN, flash), in one process.
 
     python benchmarks/hopper_torch_gpu.py [--out hopper_torch.json] [--quick | --targets | --head-dim-64 | --features]
-                                          [--rows 'jaxattn hopper,torch cudnn'] [--rounds 3]
+                                          [--edges] [--rows 'jaxattn hopper,torch cudnn'] [--rounds 3]
 
 Rows, causal bf16 at head dim 128 unless noted, each timed forward only (no grad) and forward +
 backward (autograd.grad of the output against a fixed cotangent):
@@ -10,7 +10,9 @@ backward (autograd.grad of the output against a fixed cotangent):
       kernels at every shape `torch_api.hopper_flash.hopper_reasons` accepts (its length thresholds,
       which these rows set, off);
     * "jaxattn triton": the same call with the Hopper kernels switched off (the Triton kernels);
-    * "torch cudnn" / "torch flash": F.scaled_dot_product_attention under `sdpa_kernel`.
+    * "torch cudnn" / "torch flash": F.scaled_dot_product_attention under `sdpa_kernel`;
+    * "jaxattn hopper in place" (`--edges`): "jaxattn hopper" with `calls.HOPPER_TMA_EDGES` on, lengths
+      in whole 8-row TMA tiles read in place instead of copied into zero-padded tiles.
 Then head dim 64, GQA at head dim 64, and lengths that are not whole tiles. And the feature costs at
 (2,16,8192,128): the forward kernel with a soft cap, sinks, or a causal window covering every key,
 against the plain causal kernel (as_torch_kernel directly); forward + backward through `hopper_flash`
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpu_timing import time_torch, write_report
+from jaxattn.jax_core import calls
 from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention, sdpa_launcher
 
 SHAPES = [(1, 16, 16384, 128), (2, 16, 8192, 128), (2, 16, 4096, 128), (4, 16, 2048, 128), (8, 16, 1024, 128)]
@@ -46,7 +49,7 @@ SHAPES = [(1, 16, 16384, 128), (2, 16, 8192, 128), (2, 16, 4096, 128), (4, 16, 2
 # padded copy).
 SHAPES_64 = [(1, 16, 16384, 64), (1, 16, 8192, 64), (4, 16, 4096, 64), (16, 16, 1024, 64)]
 GQA_SHAPES_64 = [(2, 32, 8, 4096, 64), (1, 32, 8, 8192, 64)]
-EDGE_SHAPES = [(2, 16, 8000, 128), (1, 16, 8000, 64)]
+EDGE_SHAPES = [(2, 16, 8000, 128), (1, 16, 8000, 64), (4, 16, 2056, 128)]
 FEATURE_SHAPE = (2, 16, 8192, 128)
 
 
@@ -54,10 +57,11 @@ def flops(b, h, l, d, causal):
     return 4 * b * h * l * l * d / (2 if causal else 1)
 
 
-def drop_in(hopper: bool):
+def drop_in(hopper: bool, tma_edges: bool = False):
     def run(q, k, v, causal):
         gqa = q.shape[1] != k.shape[1]
-        saved = dict(hopper_flash.HOPPER_MIN_LENGTH), hopper_flash.HOPPER_MIN_LENGTH_PROGRAM
+        saved = dict(hopper_flash.HOPPER_MIN_LENGTH), hopper_flash.HOPPER_MIN_LENGTH_PROGRAM, calls.HOPPER_TMA_EDGES
+        calls.HOPPER_TMA_EDGES = tma_edges
         # "hopper": every eligible shape (no length threshold); "triton": none.
         hopper_flash.HOPPER_MIN_LENGTH.update(forward=0 if hopper else math.inf, train=0 if hopper else math.inf)
         hopper_flash.HOPPER_MIN_LENGTH_PROGRAM = {kind: {} for kind in saved[1]}  # the lengths above decide
@@ -67,6 +71,7 @@ def drop_in(hopper: bool):
         finally:
             hopper_flash.HOPPER_MIN_LENGTH.update(saved[0])
             hopper_flash.HOPPER_MIN_LENGTH_PROGRAM = saved[1]
+            calls.HOPPER_TMA_EDGES = saved[2]
     return run
 
 
@@ -78,7 +83,11 @@ def torch_backend(backend):
 
 
 ROWS = {"jaxattn hopper": drop_in(True), "jaxattn triton": drop_in(False),
-        "torch cudnn": torch_backend(SDPBackend.CUDNN_ATTENTION), "torch flash": torch_backend(SDPBackend.FLASH_ATTENTION)}
+        "torch cudnn": torch_backend(SDPBackend.CUDNN_ATTENTION), "torch flash": torch_backend(SDPBackend.FLASH_ATTENTION),
+        "jaxattn hopper in place": drop_in(True, tma_edges=True)}
+#: The rows timed unless --rows says otherwise ("in place" differs from "jaxattn hopper" only at
+#: lengths that are not whole tiles: `--edges`).
+DEFAULT_ROWS = ("jaxattn hopper", "jaxattn triton", "torch cudnn", "torch flash")
 
 
 def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3):
@@ -214,11 +223,15 @@ def main():
     which.add_argument("--targets", action="store_true", help="the target shapes only, no feature costs")
     which.add_argument("--head-dim-64", action="store_true", help="the head-dim-64 shapes only")
     which.add_argument("--features", action="store_true", help="the feature costs only")
-    parser.add_argument("--rows", default=",".join(ROWS),
-                        help=f"comma-separated rows to time (default all: {', '.join(ROWS)})")
+    which.add_argument("--edges", action="store_true",
+                       help="the lengths that are not whole tiles only, padded and in place (calls.HOPPER_TMA_EDGES)")
+    parser.add_argument("--rows", default=None,
+                        help=f"comma-separated rows to time among {', '.join(ROWS)} (default: {', '.join(DEFAULT_ROWS)}; "
+                             "with --edges, the Hopper rows and cuDNN)")
     parser.add_argument("--rounds", type=int, default=3, help="times each row is timed, in turn with the others")
     args = parser.parse_args()
-    names = tuple(name.strip() for name in args.rows.split(","))
+    default = ("jaxattn hopper", "jaxattn hopper in place", "torch cudnn") if args.edges else DEFAULT_ROWS
+    names = tuple(name.strip() for name in args.rows.split(",")) if args.rows else default
     unknown = [name for name in names if name not in ROWS]
     if unknown or args.rounds < 1:
         parser.error(f"--rows {args.rows!r}, --rounds {args.rounds}: expected rows among {list(ROWS)} and "
@@ -241,7 +254,10 @@ def main():
         for shape in TARGET_SHAPES:
             run(shape)
     elif args.head_dim_64:
-        for shape in SHAPES_64 + GQA_SHAPES_64 + EDGE_SHAPES[1:]:
+        for shape in SHAPES_64 + GQA_SHAPES_64 + [s for s in EDGE_SHAPES if s[-1] == 64]:
+            run(shape)
+    elif args.edges:
+        for shape in EDGE_SHAPES:
             run(shape)
     elif args.quick:
         run(SHAPES[0])

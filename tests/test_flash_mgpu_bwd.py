@@ -451,7 +451,7 @@ def test_persistent_grid_lowers_for_hopper(d, block_q, layout):
     (dict(stages=1), r"stages=1: expected at least 2"),
     (dict(block_kv=96), r"block_q=64, block_kv=96: expected positive multiples of 64"),
     (dict(stages=3, d=128), r"stages=3, block_q=64, block_kv=64, head_dim=128: \d+ bytes of shared-memory"),
-    (dict(lse_shape=(1, 2, 64)), r"lse_log2: shape \(1, 2, 64\) dtype float32, expected float32 \(B, Hq, L\)"),
+    (dict(lse_shape=(1, 2, 64)), r"lse_log2: shape \(1, 2, 64\) dtype float32, expected float32 \(B, Hq, L'\)=\(1, 2, 128\)"),
     (dict(do_dtype=jnp.bfloat16), r"do: shape \(1, 128, 2, 64\) dtype bfloat16, expected q's shape"),
     (dict(acc_dtype=jnp.float16), r"dq_accum: shape \(1, 128, 2, 64\) dtype float16, expected float32"),
     (dict(scale=-1.0), r"scale=-1.0: expected a positive"),
@@ -487,12 +487,15 @@ def test_rejects_bad_arguments(kw, match):
     (104, 130, dict(tma_edges=True), r"L=104, key length S=130 with tma_edges=True: expected multiples of 8 .*hint: "
                                      r"tma_edges=False"),
     (104, 136, dict(tma_edges=True, interpret=True), r"tma_edges=True with interpret-mode parameters: expected a GPU"),
+    # the row vectors keep whole query blocks' rows
+    (104, 136, dict(tma_edges=True, lse_rows=104), r"lse_log2: shape \(1, 2, 104\) dtype float32, expected float32 "
+                                                   r"\(B, Hq, L'\)=\(1, 2, 128\) \(L rounded up to whole 64-row"),
 ])
 def test_tiles_kernel_rejects_partial_tiles(l, s, kw, match):
     kw = dict(kw, interpret=InterpretGPUParams() if kw.get("interpret") else None)
     q = jnp.zeros((1, l, 2, 64), jnp.float16)
     k = jnp.zeros((1, s, 2, 64), jnp.float16)
-    rows = jnp.zeros((1, 2, l), jnp.float32)
+    rows = jnp.zeros((1, 2, kw.pop("lse_rows", -(-l // 64) * 64)), jnp.float32)
     with pytest.raises(ValueError, match=match):
         flash_backward_mgpu_tiles(q, k, k, q, rows, rows, jnp.zeros(q.shape, jnp.float32), scale=0.125, causal=True,
                                   **kw)
@@ -507,11 +510,12 @@ def test_tma_edges_lower_for_hopper(kw, d, block_q, layout):
     """With `tma_edges` the kernel takes lengths in 8-row tiles in place (L = 104, S = 136: its last
     query and key tiles run past them) and still lowers to one Mosaic GPU kernel; Mosaic GPU refuses
     such copies below whole 8-row tiles (`TMA_ROWS`). Running it needs the GPU (the interpreter
-    refuses copies past an array's end): `test_gpu_hopper.py`."""
+    refuses copies past an array's end): `test_gpu_hopper.py`. lse_log2 and delta keep whole query
+    blocks' rows."""
     b, hq, hk = (1, 4, 2) if layout == "heads" else (8, 1, 1)
     q = jax.ShapeDtypeStruct((b, 104, hq, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((b // 2 if layout == "folded" else b, 136, hk, d), jnp.bfloat16)
-    rows = jax.ShapeDtypeStruct((b, hq, 104), jnp.float32)
+    rows = jax.ShapeDtypeStruct((b, hq, 128), jnp.float32)
 
     def backward(q, k, v, do, lse, delta, acc):
         return flash_backward_mgpu_tiles(q, k, v, do, lse, delta, acc, scale=0.1, block_q=block_q, tma_edges=True,

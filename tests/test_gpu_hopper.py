@@ -461,11 +461,14 @@ def _pass_device(by: str, kernel: str, monkeypatch) -> str:
 
 @pytest.mark.parametrize("by", ["triton", "torch"])
 @pytest.mark.parametrize("layout", ["BHLD", "BLHD", "strided-dout"])
-def test_backward_operands_against_float64(layout, by, monkeypatch):
+@pytest.mark.parametrize("accum_rows", [128, 104])
+def test_backward_operands_against_float64(layout, by, accum_rows, monkeypatch):
     """The backward's row operands (`backward_operands`: the Triton pass, under TRITON_INTERPRET=1 on the
     CPU, or the torch ops that stand in without Triton) against float64: delta = rowsum(dO * O), the LSE
     in log2 units with +inf for rows that saw no key, 0 and +inf on the padded rows, and the dQ
-    accumulator zeroed, for the memory layouts the drop-in hands it. Buffers start as NaN."""
+    accumulator zeroed, for the memory layouts the drop-in hands it. Buffers start as NaN. An
+    accumulator of fewer rows than the row vectors (the queries read in place, `calls.HOPPER_TMA_EDGES`)
+    is zeroed on its own rows only: the rows after them in its buffer stay NaN."""
     device = _pass_device(by, "hopper_backward_operands_kernel", monkeypatch)
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     b, h, l, d, rows = 2, 3, 97, 80, 128
@@ -482,8 +485,10 @@ def test_backward_operands_against_float64(layout, by, monkeypatch):
     folded = layout == "BHLD"
     accum_shape = (b * h, rows, 1, d) if folded else (b, rows, h, d)
     delta, lse_log2 = (torch.full((b, h, rows), math.nan, device=device) for _ in range(2))
-    accum = torch.full(accum_shape, math.nan, device=device)
+    buffer = torch.full(accum_shape, math.nan, device=device)
+    accum = buffer[:, :accum_rows]
     hopper_flash.backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
+    assert buffer[:, accum_rows:].isnan().all()
 
     want_delta = (out.double() * dout.double()).sum(-1)
     assert (delta[..., :l].double() - want_delta).abs().max().item() < 1e-4 * max(1.0, want_delta.abs().max().item())

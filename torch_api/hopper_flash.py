@@ -22,7 +22,7 @@ head-dim-64 forward over more than 2048 keys, `calls.hopper_tiles`), so a tensor
 zero-padded buffer (the copy a non-contiguous layout takes anyway), the kernels get the true key
 count and mask the padded keys, padded query rows get LSE +inf and delta 0 in the backward (so they
 add nothing), and the results are views of the true rows. Whole tiles keep the zero-copy views. With
-`calls.HOPPER_TMA_EDGES` (off until run on a GPU), lengths in whole 8-row TMA tiles go in place on a
+`calls.HOPPER_TMA_EDGES` (on), lengths in whole 8-row TMA tiles go in place on a
 GPU instead (`kernel_lengths`): the kernels' last tiles run past them.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
@@ -216,6 +216,12 @@ def kernel_lengths(l: int, s: int, d: int, backward: bool, device: torch.device)
     return rows, keys, (rows, keys) != whole
 
 
+def row_vector_length(l: int, s: int, d: int, backward: bool) -> int:
+    """The rows of the kernels' per-row vectors (the forward's LSE, the backward's LSE and delta) for L
+    queries and S keys: whole tiles, in place or not (the kernels' 1-D copies of them have no edge)."""
+    return calls.hopper_padded_lengths(l, s, d, backward=backward)[0]
+
+
 def _static(cfg: FlashConfig, kv_len: int) -> dict:
     window = None if tuple(cfg.window) == (-1, -1) else tuple(int(w) for w in cfg.window)
     return dict(scale=float(cfg.scale), causal=bool(cfg.causal), diag_offset=int(cfg.diag_offset), window=window,
@@ -258,7 +264,7 @@ def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = No
         sinks = sinks.detach().float()
         sinks = (sinks.repeat(q.shape[0]).view(-1, 1) if folded else sinks.contiguous(),)
     out, lse = _FORWARD(kq, kk, kv, *(sinks or ()), **_forward_static(cfg, s, q.device, edges))
-    return _torch_view(out, q, folded), lse.view(*q.shape[:2], rows)[..., :l]
+    return _torch_view(out, q, folded), lse.view(*q.shape[:2], lse.shape[-1])[..., :l]
 
 
 def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None
@@ -273,7 +279,10 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
         dout = torch.empty_strided(out.shape, out.stride(), dtype=q.dtype, device=out.device).copy_(dout)
     (kq, kk, kv, kdo), folded = _kernel_views((q, k, v, dout), (rows, keys, keys, rows))
     batch, _, heads = kq.shape[:3]  # the kernels' (batch, heads, T') order of the row vectors
-    lse_log2, delta = torch.empty((2, batch, heads, rows), dtype=torch.float32, device=q.device).unbind(0)
+    # The row vectors have whole tiles' rows even where the kernels read the queries in place: a
+    # 1-D copy past the end of one (batch, head) row would run on into the next one's.
+    whole = row_vector_length(l, s, q.shape[-1], backward=True)
+    lse_log2, delta = torch.empty((2, batch, heads, whole), dtype=torch.float32, device=q.device).unbind(0)
     accum = torch.empty(kq.shape, dtype=torch.float32, device=q.device)
     backward_operands(out, dout, lse, delta, lse_log2, accum, folded)
     static = _backward_static(cfg, s, kq, kk, q.device, edges)
@@ -286,7 +295,7 @@ def hopper_backward(q, k, v, out, lse, dout, cfg: FlashConfig, sinks: Optional[t
     dsinks = None
     if sinks is not None:  # the sink's logit reaches the output only through the normaliser
         weight = torch.where(torch.isneginf(lse), 0.0, torch.exp(sinks.detach().float()[None, :, None] - lse))
-        dsinks = (-(weight * delta.view(*q.shape[:2], rows)[..., :l]).sum(dim=(0, 2))).to(sinks.dtype)
+        dsinks = (-(weight * delta.view(*q.shape[:2], whole)[..., :l]).sum(dim=(0, 2))).to(sinks.dtype)
     return _torch_view(dq, q, folded), _torch_view(dk, k, folded), _torch_view(dv, v, folded), dsinks
 
 
@@ -322,12 +331,13 @@ def operands_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, ac
     per signature."""
     st = accum.stride()
     accum_strides = (out.shape[1] * st[0], st[0], st[1]) if folded else (st[0], st[2], st[1])
-    key = (out.shape, out.stride(), dout.stride(), lse.stride(), accum_strides, rows, out.dtype, dout.dtype,
-           out.device)
+    key = (out.shape, out.stride(), dout.stride(), lse.stride(), accum_strides, rows, accum.shape[1], out.dtype,
+           dout.dtype, out.device)
 
     def make():
         planned = flash_plan.hopper_backward_operands_launch(
-            Operand.of(out.shape, out.stride()), tuple(dout.stride()), tuple(lse.stride()), accum_strides, rows)
+            Operand.of(out.shape, out.stride()), tuple(dout.stride()), tuple(lse.stride()), accum_strides, rows,
+            accum_rows=accum.shape[1])
         return KernelLaunch(hopper_backward_operands_kernel, planned.grid, planned.num_warps, planned.num_stages,
                             ("Out", "dOut", "Lse", "Delta", "LseLog2", "dQAccum"), planned.args)
     return _kept(_OPERAND_LAUNCHES, key, make)

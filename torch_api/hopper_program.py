@@ -160,7 +160,8 @@ def _register_train(q, k, v, cfg, saved, kernel_inputs, folded, common, saved_bu
     in the module docstring), planned as the Python path's call just ran them."""
     out_t, lse_t = saved
     kq, kk, kv = kernel_inputs
-    batch, rows, heads = kq.shape[:3]
+    batch, _, heads = kq.shape[:3]
+    rows = _hopper.row_vector_length(q.shape[2], k.shape[2], q.shape[-1], backward=True)
     f32 = torch.float32
     row_vector = _layout(torch.empty((batch, heads, rows), dtype=f32, device="meta"))
     accum = torch.empty(kq.shape, dtype=f32, device="meta")

@@ -123,10 +123,11 @@ def smem_bytes(d, itemsize, *, block_q, block_kv, stages):
 
 
 def _check(q, k, v, do, lse_log2, delta, dq_accum, *, scale, diag_offset, window, softcap, block_q, block_kv,
-           stages):
-    """Raises ValueError naming the argument, its value, what is expected and a hint."""
+           stages, row_tile=1):
+    """Raises ValueError naming the argument, its value, what is expected and a hint. lse_log2 and
+    delta have L rounded up to a multiple of `row_tile` rows."""
     check_arrays(q, k, v)
-    check_backward_operands(q, do, lse_log2, delta, dq_accum)
+    check_backward_operands(q, do, lse_log2, delta, dq_accum, row_tile=row_tile)
     check_blocks(block_q, block_kv, stages)
     d = q.shape[3]
     need = smem_bytes(d, jnp.dtype(q.dtype).itemsize, block_q=block_q, block_kv=block_kv, stages=stages)
@@ -669,13 +670,14 @@ def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, 
     tensors. With `head_splits` > 1, dK and dV come as float32 partial sums (head_splits, B, S, Hk, D)
     for the caller to sum.
 
-    `tma_edges` (GPU only): L and S any multiples of 8 instead, read in place (lse_log2, delta and
-    dq_accum of L rows too). The last tiles run past them: TMA fills the rows it loads past an array's
-    end with zeros and drops the rows it stores or adds there. Keys past S are masked as padding is;
-    a query row past L has zero q, dO, LSE and delta, so its P is 1 where it sees a key but its dP is
-    0, and it adds P^T dO = 0 to dV and dS^T q = 0 to dK."""
+    `tma_edges` (GPU only): L and S any multiples of 8 instead, read in place (dq_accum of L rows
+    too). The last tiles run past them: TMA fills the rows it loads past an array's end with zeros
+    and drops the rows it stores or adds there. Keys past S are masked as padding is. lse_log2 and
+    delta keep whole tiles' rows, (B, Hq, L') for L' = L rounded up to a multiple of block_q, with
+    +inf and 0 past L: a 1-D copy past the end of one (batch, head) row would run on into the next
+    one's."""
     _check(q, k, v, do, lse_log2, delta, dq_accum, scale=scale, diag_offset=diag_offset, window=window,
-           softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages)
+           softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages, row_tile=block_q)
     kv_len = k.shape[1] if kv_len is None else kv_len
     check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv, rows=("block_q", block_q),
                       keys=("2 * block_kv", COMPUTE_WGS * block_kv), caller="flash_backward_mgpu",

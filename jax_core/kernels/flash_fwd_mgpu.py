@@ -343,7 +343,8 @@ def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset
 
     `tma_edges` (GPU only): L and S any multiples of 8 instead, read in place. The last tiles run past
     them: TMA fills the rows it loads past an array's end with zeros (keys past S are masked as
-    padding is; query rows past L compute on zeros) and drops the rows it stores there."""
+    padding is; query rows past L compute on zeros) and drops the rows it stores there. The LSE has
+    whole tiles' rows then, (B, Hq, L') for L' = L rounded up to a multiple of 2 * block_q."""
     band, tiles = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
                                 softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages,
                                 programs=programs, per_batch_sinks=True)
@@ -363,7 +364,10 @@ def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, interpret):
         batches=batch_group(q, k), interpret=interpret)
     call = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, l), jnp.float32)),
+        # The LSE has whole tiles' rows (L with whole tiles): a 1-D copy past the end of one (batch,
+        # head) row would run on into the next one's, where a tiled one stops at the array's edge.
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((b, hq, tiles.q_blocks * tiles.rows), jnp.float32)),
         grid=(tiles.programs,),
         grid_names=("programs",),
         num_threads=COMPUTE_WGS + 1,

@@ -139,17 +139,19 @@ def check_features(hq, *, scale, diag_offset, window, softcap, sinks, batch=None
                              "sinks.astype(jnp.float32)")
 
 
-def check_backward_operands(q, do, lse_log2, delta, dq_accum):
-    """The backward's operands beside q, k, v: do like q, lse_log2 and delta (B, Hq, L) float32,
-    dq_accum float32 of q's shape."""
+def check_backward_operands(q, do, lse_log2, delta, dq_accum, *, row_tile=1):
+    """The backward's operands beside q, k, v: do like q, lse_log2 and delta (B, Hq, L') float32 for
+    L' = L rounded up to a multiple of `row_tile` (the query block), dq_accum float32 of q's shape."""
     if do.shape != q.shape or do.dtype != q.dtype:
         raise ValueError(f"do: shape {do.shape} dtype {do.dtype}, expected q's shape {q.shape} and dtype {q.dtype}; "
                          "hint: cast the output gradient to the inputs' dtype")
     b, l, hq, _ = q.shape
+    whole = -(-l // row_tile) * row_tile
     for name, x in (("lse_log2", lse_log2), ("delta", delta)):
-        if x.shape != (b, hq, l) or x.dtype != jnp.float32:
-            raise ValueError(f"{name}: shape {x.shape} dtype {x.dtype}, expected float32 (B, Hq, L)={(b, hq, l)}; "
-                             "hint: backward_operands(out, do, lse) makes both")
+        if x.shape != (b, hq, whole) or x.dtype != jnp.float32:
+            raise ValueError(f"{name}: shape {x.shape} dtype {x.dtype}, expected float32 (B, Hq, L')={(b, hq, whole)} "
+                             f"(L rounded up to whole {row_tile}-row query blocks); hint: backward_operands(out, do, "
+                             "lse) makes both")
     if dq_accum.shape != q.shape or dq_accum.dtype != jnp.float32:
         raise ValueError(f"dq_accum: shape {dq_accum.shape} dtype {dq_accum.dtype}, expected float32 {q.shape}; "
                          "hint: jnp.zeros(q.shape, jnp.float32)")

@@ -317,16 +317,17 @@ def delta_launch(out: Operand, do_strides: tuple[int, ...]) -> Launch:
 
 
 def hopper_backward_operands_launch(out: Operand, do_strides: tuple[int, ...], lse_strides: tuple[int, int, int],
-                                    accum_strides: tuple[int, int, int], rows: int) -> Launch:
+                                    accum_strides: tuple[int, int, int], rows: int,
+                                    accum_rows: Optional[int] = None) -> Launch:
     """The launch of `hopper_bwd_passes_triton`'s operands pass over Out (B, Hq, L, D) for the Hopper
     backward's `rows` padded query rows: Delta and LseLog2 (B * Hq, rows) float32 contiguous;
     `lse_strides` of the (B, Hq, L) LSE and `accum_strides` of the float32 dQ accumulator, both in
-    (B, Hq, row) order."""
+    (B, Hq, row) order; the accumulator has `accum_rows` rows (default `rows`)."""
     b, hq, l, d = out.dims
     args = dict(**_named(("sob", "soh", "som", "sod"), out.strides),
                 **_named(("sdob", "sdoh", "sdom", "sdod"), do_strides),
                 **_named(("slb", "slh", "slm"), lse_strides), **_named(("sab", "sah", "sam"), accum_strides),
-                Hq=hq, L=l, ROWS=rows, D=d, BLOCK_M=DELTA_BLOCK_M, BLOCK_D=head_block(d))
+                Hq=hq, L=l, ROWS=rows, ACCUM_ROWS=rows if accum_rows is None else accum_rows, D=d, BLOCK_M=DELTA_BLOCK_M, BLOCK_D=head_block(d))
     return Launch((_cdiv(rows, DELTA_BLOCK_M), b * hq), 4, 1, args)
 
 

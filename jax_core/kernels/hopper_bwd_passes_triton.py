@@ -22,7 +22,7 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 def hopper_backward_operands_kernel(
     Out, dOut, Lse, Delta, LseLog2, dQAccum,
     sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, slm, sab, sah, sam,
-    Hq, L, ROWS,
+    Hq, L, ROWS, ACCUM_ROWS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (cdiv(ROWS, BLOCK_M), B * Hq); rows L..ROWS-1 are the kernels' padding.
@@ -33,7 +33,8 @@ def hopper_backward_operands_kernel(
         Delta, LseLog2: (B * Hq, ROWS) float32 contiguous, written: rowsum(dO * O) and LSE * log2(e),
             with +inf for an LSE of -inf (its probabilities exp2(s - inf) are then 0, not NaN);
             padded rows get delta 0 and LSE +inf, so they add nothing to dK and dV.
-        dQAccum: float32, D contiguous, element strides sa* in (B, Hq, row) order, zeroed on ROWS rows.
+        dQAccum: float32, D contiguous, element strides sa* in (B, Hq, row) order, zeroed on its
+            ACCUM_ROWS rows (ROWS, or fewer where the kernels read the queries in place past L).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -50,7 +51,7 @@ def hopper_backward_operands_kernel(
     tl.store(LseLog2 + at, lse_log2, mask=in_tile)
     zeros = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     tl.store(dQAccum + b * sab + h * sah + rows[:, None] * sam + cols[None, :], zeros,
-             mask=in_tile[:, None] & (cols[None, :] < D))
+             mask=(rows < ACCUM_ROWS)[:, None] & (cols[None, :] < D))
 
 
 @triton.jit
