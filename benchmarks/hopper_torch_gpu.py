@@ -21,7 +21,7 @@ with a soft cap or windows.
 Timing: `gpu_timing.time_torch` (back-to-back calls between CUDA events, median of repeats), the rows
 of a shape timed in turn, `--rounds` times; each row reports the median of its rounds, and the
 Hopper row its ratio to cuDNN round by round (median and range), which a drift of the GPU's clock
-over the run moves far less than the ratio of two medians.
+over the run moves far less than the ratio of two medians (the "in place" row likewise).
 TFLOP/s: forward 4*B*H*L*S*D (halved for causal), forward + backward 3.5x that. Each row's output
 is checked against torch's math on float32 copies first (max abs error, flagged above 3e-2).
 """
@@ -133,12 +133,15 @@ def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3):
             row["fwd_bwd_tflops"] = 3.5 * f / row["fwd_bwd_us"] / 1e6
         rows.append(row)
         print(format_row(row), flush=True)
-    ours, theirs = found.get("jaxattn hopper"), found.get("torch cudnn")
-    if ours and theirs and "error" not in ours and "error" not in theirs:
+    theirs = found.get("torch cudnn")
+    for name in ("jaxattn hopper", "jaxattn hopper in place"):
+        ours = found.get(name)
+        if not (ours and theirs and "error" not in ours and "error" not in theirs):
+            continue
         for key in ("fwd", "fwd_bwd"):
             ratios = sorted(t / o for o, t in zip(ours[f"{key}_rounds"], theirs[f"{key}_rounds"]))
             ours[f"{key}_vs_cudnn"] = dict(median=statistics.median(ratios), low=ratios[0], high=ratios[-1])
-        print(f"{'':20} hopper / cudnn, paired by round: " + " | ".join(
+        print(f"{'':20} {name[len('jaxattn '):]} / cudnn, paired by round: " + " | ".join(
             f"{key} {r['median']:.2f}x [{r['low']:.2f}, {r['high']:.2f}]"
             for key, r in (("fwd", ours["fwd_vs_cudnn"]), ("fwd+bwd", ours["fwd_bwd_vs_cudnn"]))), flush=True)
 

@@ -325,3 +325,22 @@ def test_lengths_in_whole_tma_tiles_go_in_place_on_a_gpu_when_switched_on(monkey
     monkeypatch.setattr(calls, "HOPPER_TMA_EDGES", flag)
     assert hopper_flash.kernel_lengths(l, s, d, backward, torch.device(device)) == want
     assert calls.hopper_padded_lengths(l, s, d, backward, tma_edges=flag and device == "cuda") == want[:2]
+
+
+def test_a_program_signature_holds_the_tma_edges_switch(monkeypatch):
+    """A settled program answers for its signature only while `calls.HOPPER_TMA_EDGES` stands as it
+    did: a length that is not whole tiles is padded with the switch off (no program) and read in place
+    with it on (a program), so switching it must not reuse the other setting's answer."""
+    from jaxattn.jax_core import calls
+    from jaxattn.jax_core.kernels.flash_plan import FlashConfig
+    from jaxattn.torch_api import hopper_program
+
+    cfg = FlashConfig(scale=0.1, causal=True)
+    q, k, v = (torch.empty(1, 2, 104, 64, dtype=torch.bfloat16) for _ in range(3))
+    keys = []
+    for flag in (False, True):
+        monkeypatch.setattr(calls, "HOPPER_TMA_EDGES", flag)
+        keys.append(hopper_program.signature(q, k, v, cfg, True))
+    assert keys[0] != keys[1]
+    monkeypatch.setattr(hopper_program, "_PROGRAMS", {keys[0]: -1})
+    assert hopper_program.unsettled(keys[1]) and not hopper_program.unsettled(keys[0])

@@ -39,7 +39,10 @@ MAX_SIGNATURES = 1024
 
 
 def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, grad: bool) -> tuple:
-    return (grad, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, cfg)
+    """The call signature a program is settled for; `calls.HOPPER_TMA_EDGES` is part of it (it decides
+    whether lengths that are not whole tiles are read in place, which a program needs)."""
+    return (grad, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, cfg,
+            calls.HOPPER_TMA_EDGES)
 
 
 def program(key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[int]:
