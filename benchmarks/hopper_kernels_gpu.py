@@ -176,7 +176,7 @@ def forward_tiles(rows):
 # Forward variants: (B, L, H, D) causal, and the tiles each is timed with beside the tuned ones.
 FORWARD_VARIANT_SHAPES = [(1, 16384, 16, 128), (2, 8192, 16, 128), (8, 1024, 16, 128), (4, 4096, 16, 64),
                           (16, 1024, 16, 64), (1, 8192, 16, 64)]
-FORWARD_VARIANT_TILES = {64: [dict(block_q=64, block_kv=128, stages=2), dict(block_q=64, block_kv=128, stages=3)],
+FORWARD_VARIANT_TILES = {64: [dict(block_q=64, block_kv=128, stages=2)],
                          128: []}
 
 

@@ -123,6 +123,10 @@ FEATURE_CASES = [
                  id="edge-1x300-causal-br-bf16"),
     pytest.param(2, 200, 70, 2, 2, dict(causal=True, alignment="bottom_right"), id="edge-200x70-causal-br-empty"),
     pytest.param(1, 97, 130, 2, 1, dict(causal=True, block_kv=128, stages=3), id="edge-97x130-causal-bkv128"),
+    # 128-key blocks: a warpgroup whose last block it sees only the first half of walks that half
+    pytest.param(1, 256, 256, 2, 1, dict(causal=True, block_kv=128), id="causal-bkv128-halves"),
+    pytest.param(1, 200, 330, 2, 2, dict(window=(90, 20), alignment="bottom_right", softcap=3.0, sinks=True,
+                                          block_kv=128, dtype=jnp.bfloat16), id="window-br-bkv128-halves"),
     # sliding windows, one- and two-sided, both alignments, left 0
     pytest.param(1, 130, 200, 2, 2, dict(window=(32, -1)), id="window-left-only"),
     pytest.param(1, 97, 150, 2, 1, dict(window=(-1, 16), alignment="bottom_right"), id="window-right-only-br"),
@@ -159,6 +163,7 @@ PERSISTENT_CASES = [
     pytest.param(1, 150, 230, 4, 2, dict(window=(24, 8), softcap=4.0, sinks=True, causal=True,
                                           alignment="bottom_right", dtype=jnp.bfloat16, programs=3),
                  id="all-features-8-tiles-3-programs"),
+    pytest.param(2, 384, 384, 2, 1, dict(causal=True, block_kv=128, programs=2), id="causal-bkv128-halves-2-programs"),
 ]
 
 

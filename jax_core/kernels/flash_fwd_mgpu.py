@@ -31,7 +31,9 @@ Features, all compiled in (none of them costs anything when unused):
       i + diag_offset - left <= j <= i + diag_offset + right; causal is right = 0 (diag_offset 0
       aligns top-left, S - L bottom-right). A program loads only the key blocks between its first
       row's left edge and its last row's right edge; a compute warpgroup releases the ring slots of
-      blocks it does not need, and masks only the blocks that cross one of its rows' band edges.
+      blocks it does not need, and masks only the blocks that cross one of its rows' band edges. Of
+      a last block whose second half none of its rows sees (every other warpgroup of a causal walk
+      at 128-key blocks), it computes the first half only (`_halved_last_block`).
     * logits soft cap: s -> softcap * tanh(scale * s / softcap) before the softmax.
     * attention sinks: one logit per query head that joins each row's softmax normaliser (and the
       LSE) but carries no value; an extra kernel operand only when given, (Hq,), or (B, Hq) on whole
@@ -121,6 +123,25 @@ def _full_blocks(rows, lo, hi, band):
     if band.ragged_end:
         full_end = jnp.minimum(full_end, whole_blocks)
     return full_lo, jnp.clip(full_end, full_lo, hi)
+
+
+#: The smallest key block whose last block a warpgroup may walk half of (`_halved_last_block`): half of
+#: it is then at least 64 keys, a whole 128-byte swizzle tile of the products' key dimension.
+HALF_BLOCK_MIN = 128
+
+
+def _halved_last_block(rows, lo, end, band):
+    """1 if the last key block of rows [rows, rows + block_q)'s masked tail [lo, end) holds no key that
+    any of them sees in its second half (so its products may stop at half the block), else 0. The
+    causal diagonal makes this the case for every other warpgroup of a causal walk: 64 query rows
+    against 128-key blocks (the first row of a tile sees half a block fewer keys than its last)."""
+    if band.block_kv < HALF_BLOCK_MIN:
+        return jnp.int32(0)
+    seen_end = jnp.int32(band.kv_len)  # one past the last key the block's last row sees
+    if band.right is not None:
+        seen_end = jnp.minimum(seen_end, rows + (band.block_q + band.diag_offset + band.right))
+    half = (end > lo) & (seen_end - (end - 1) * band.block_kv <= band.block_kv // 2)
+    return half.astype(jnp.int32)
 
 
 def _mask(s, i, rows, band, *, on_gpu):
@@ -422,7 +443,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
              interpret):
     q_all, k_smem, v_smem, lse_all = bufs
     q_slots = q_all.shape[1]
-    block_q = band.block_q
+    block_q, block_kv = band.block_q, band.block_kv
     d = q_all.shape[-1]
     dtype = q_all.dtype
     # Log2 domain: the softmax runs on t * log2(e) * s for t = scale, or with a soft cap on
@@ -464,13 +485,16 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         def ring_slot(i):
             return lax.rem(loaded + (i - program_start), jnp.int32(stages))
 
-        def kv_step(i, carry, *, masked):
+        def kv_step(i, carry, *, masked, keys=block_kv):
+            """One key block; `keys` < block_kv: its first `keys` keys only (no row sees the others)."""
             acc, m, l = carry
             slot = ring_slot(i)
+            k_slot, v_slot = (ref.at[slot] if keys == block_kv else ref.at[slot, pl.ds(0, keys)]
+                              for ref in (k_smem, v_smem))
             plgpu.barrier_wait(bars["k_ready"].at[slot])
 
             # take_turn once the matmul is issued: the other warpgroup may then issue its own.
-            s = _scores(qo_smem, k_smem.at[slot], take_turn, on_gpu=on_gpu)
+            s = _scores(qo_smem, k_slot, take_turn, on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["k_free"].at[slot])
             if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
                 s = jnp.tanh(s * (scale / softcap))
@@ -489,7 +513,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             plgpu.barrier_wait(bars["v_ready"].at[slot])
             plgpu.barrier_wait(bars["turn"])
 
-            acc = _accumulate_pv(acc, p16, v_smem.at[slot], in_place=on_gpu)
+            acc = _accumulate_pv(acc, p16, v_slot, in_place=on_gpu)
             plgpu.barrier_arrive(bars["v_free"].at[slot])
             pl.when(i == program_start)(free_next_slot)
             return acc, m_new, l
@@ -525,7 +549,11 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             carry = lax.fori_loop(start, full_start, functools.partial(kv_step, masked=True), carry)
         carry = lax.fori_loop(full_start, full_end, functools.partial(kv_step, masked=False), carry)
         if band.right is not None or band.ragged_end:
-            carry = lax.fori_loop(full_end, end, functools.partial(kv_step, masked=True), carry)
+            halved = _halved_last_block(rows, full_end, end, band)
+            carry = lax.fori_loop(full_end, end - halved, functools.partial(kv_step, masked=True), carry)
+            if band.block_kv >= HALF_BLOCK_MIN:
+                carry = lax.fori_loop(end - halved, end, functools.partial(kv_step, masked=True,
+                                                                           keys=block_kv // 2), carry)
         if band.right is not None:
             lax.fori_loop(end, program_end, release, None)
         pl.when(program_start == program_end)(free_next_slot)  # a tile with no key blocks
