@@ -65,7 +65,7 @@ except ImportError:  # no triton: the passes around the backward by torch ops
 #: backward's steps in two Triton passes (H200, BENCHMARKS.md "The backward's steps in two passes"):
 #: 1033 vs 825 us at (4, 16, 2048), still host-bound, so the threshold stays.
 HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
-#: The same for calls a compiled program runs (`hopper_program`: whole tiles, inputs read in place,
+#: The same for calls a compiled program runs (`hopper_program`: lengths and inputs read in place,
 #: programs on, eager), per head dim, given at least HOPPER_MIN_PAIRS_PROGRAM query-key pairs (B*Hq*L*S):
 #: their host time is about the Triton path's, so the kernels' GPU time decides. H200, drop-in
 #: forward + backward, Hopper / Triton / torch cuDNN, us (BENCHMARKS.md "Compiled programs for the
