@@ -251,7 +251,8 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--part", choices=sorted(PARTS), action="append",
                         help="one part (repeatable); default grids, splits and forward-tiles")
-    parser.add_argument("--variant", default=None, help="the modified flash_bwd_mgpu.py or flash_fwd_mgpu.py that --part variant times")
+    parser.add_argument("--variant", default=None,
+                        help="the modified flash_bwd_mgpu.py or flash_fwd_mgpu.py that --part variant times")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants in turn")
     args = parser.parse_args()
     if ("variant" in (args.part or ())) != (args.variant is not None) or args.rounds < 1:

@@ -83,7 +83,8 @@ def torch_backend(backend):
 
 
 ROWS = {"jaxattn hopper": drop_in(True), "jaxattn triton": drop_in(False),
-        "torch cudnn": torch_backend(SDPBackend.CUDNN_ATTENTION), "torch flash": torch_backend(SDPBackend.FLASH_ATTENTION),
+        "torch cudnn": torch_backend(SDPBackend.CUDNN_ATTENTION),
+        "torch flash": torch_backend(SDPBackend.FLASH_ATTENTION),
         "jaxattn hopper in place": drop_in(True, tma_edges=True)}
 #: The rows timed unless --rows says otherwise ("in place" differs from "jaxattn hopper" only at
 #: lengths that are not whole tiles: `--edges`).
@@ -229,7 +230,8 @@ def main():
     which.add_argument("--edges", action="store_true",
                        help="the lengths that are not whole tiles only, padded and in place (calls.HOPPER_TMA_EDGES)")
     parser.add_argument("--rows", default=None,
-                        help=f"comma-separated rows to time among {', '.join(ROWS)} (default: {', '.join(DEFAULT_ROWS)}; "
+                        help=f"comma-separated rows to time among {', '.join(ROWS)} "
+                             f"(default: {', '.join(DEFAULT_ROWS)}; "
                              "with --edges, the Hopper rows and cuDNN)")
     parser.add_argument("--rounds", type=int, default=3, help="times each row is timed, in turn with the others")
     args = parser.parse_args()

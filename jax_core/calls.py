@@ -259,11 +259,11 @@ def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: in
 
 #: Whether the torch launch passes lengths that are whole 8-row TMA tiles but not whole kernel tiles
 #: in place (`tma_edges`: the kernels' last tiles run past them) instead of copying them into padded
-#: buffers. In place, H200, causal bf16 (BENCHMARKS.md "Lengths that are not whole tiles, in place"):
-#: forward 913 / 1162 us at (2, 16, 8000, 128), 297 / 376 at (1, 16, 8000, 64), 157 / 294 at
-#: (4, 16, 2056, 128); forward + backward 4021 / 4434, 1198 / 1303, 923 / 1120. The GPU tests run it
-#: (`test_gpu_hopper.py`); the interpreter, and so the CPU tests, cannot (it refuses copies past an
-#: array's end), so there the kernels pad.
+#: buffers. In place / padded, H200, causal bf16, drop-in (BENCHMARKS.md "Lengths that are not whole
+#: tiles, in place"): forward 905 / 1145 us at (2, 16, 8000, 128), 286 / 373 at (1, 16, 8000, 64),
+#: 153 / 330 at (4, 16, 2056, 128); forward + backward 3912 / 4378, 1040 / 1303, 651 / 1261. The GPU
+#: tests run it (`test_gpu_hopper.py`); the interpreter, and so the CPU tests, cannot (it refuses
+#: copies past an array's end), so there the kernels pad.
 HOPPER_TMA_EDGES = True
 
 
@@ -287,7 +287,8 @@ def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool, tma_edg
 def flash_hopper(query, key, value, sinks=None, *, scale, causal, diag_offset, window=None, softcap=None,
                  kv_len=None, programs=None, tma_edges=False):
     """(out (B, L, Hq, D), lse (B, Hq, L') float32, the sinks' logits included) on whole tiles (L' = L),
-    or with `tma_edges` (L' = L rounded up to whole tiles); padded query rows are computed too. `sinks`: None or (Hq,) float32, one logit per query head.
+    or with `tma_edges` (L' = L rounded up to whole tiles); padded query rows are computed too.
+    `sinks`: None or (Hq,) float32, one logit per query head.
     `programs`: None (one program per tile) or the persistent grid's size (`flash_forward_mgpu`).
     `tma_edges`: lengths in 8-row tiles, read in place (`flash_forward_mgpu_tiles`)."""
     from .kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles

@@ -10,8 +10,9 @@ results are the Python path's, bit for bit.
 
 A signature gets a program where no copy is taken: lengths the kernels read in place (whole tiles,
 or multiples of 8 with `calls.HOPPER_TMA_EDGES`) and inputs in a layout they read in place
-(contiguous (B, H, T, D) memory, GQA included, or (B, T, H, D) memory seen transposed). The forward-only program is registered after the signature's first call without
-gradients; the training program after its first backward. The gradient of the output is read in
+(contiguous (B, H, T, D) memory, GQA included, or (B, T, H, D) memory seen transposed). The
+forward-only program is registered after the signature's first call without gradients; the
+training program after its first backward. The gradient of the output is read in
 the output's own layout (another layout is copied into it, as the Python path does).
 
 Buffers of the programs (see `triton_program.cpp`). Forward: 0 q, 1 k, 2 v, then the forward

@@ -327,7 +327,8 @@ def hopper_backward_operands_launch(out: Operand, do_strides: tuple[int, ...], l
     args = dict(**_named(("sob", "soh", "som", "sod"), out.strides),
                 **_named(("sdob", "sdoh", "sdom", "sdod"), do_strides),
                 **_named(("slb", "slh", "slm"), lse_strides), **_named(("sab", "sah", "sam"), accum_strides),
-                Hq=hq, L=l, ROWS=rows, ACCUM_ROWS=rows if accum_rows is None else accum_rows, D=d, BLOCK_M=DELTA_BLOCK_M, BLOCK_D=head_block(d))
+                Hq=hq, L=l, ROWS=rows, ACCUM_ROWS=rows if accum_rows is None else accum_rows, D=d,
+                BLOCK_M=DELTA_BLOCK_M, BLOCK_D=head_block(d))
     return Launch((_cdiv(rows, DELTA_BLOCK_M), b * hq), 4, 1, args)
 
 
