@@ -152,21 +152,34 @@ def splits(rows):
               flush=True)
 
 
+def forward_fns(shape, options: dict) -> dict:
+    """{name: callable} of the forward (causal bf16, persistent grid) on inputs of `shape` (B, L, H, D),
+    one per option {name: (a `flash_forward_mgpu_tiles`, its tiles)}, each run once and its output
+    compared with the first one's (printed). An option that does not compile or fit (the kernel's own
+    shared-memory check) is reported and left out."""
+    d = shape[-1]
+    keys = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    fns, first = {}, None
+    for name, (kernel, tiles) in options.items():
+        fn = jax.jit(functools.partial(kernel, scale=d ** -0.5, causal=True, programs=sms(), **tiles))
+        try:
+            out, _ = jax.block_until_ready(fn(q, k, v))
+        except Exception as exc:  # noqa: BLE001 - reported, and the others go on
+            print(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+            continue
+        first = out if first is None else first
+        diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - first.astype(jnp.float32))))
+        print(f"    {name}: max abs difference of out from the first {diff}", flush=True)
+        fns[name] = functools.partial(fn, q, k, v)
+    return fns
+
+
 def forward_tiles(rows):
     for shape in TILE_SHAPES:
         b, l, h, d = shape
-        keys = jax.random.split(jax.random.key(1), 3)
-        q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
-        fns = {}
-        for block_kv, stages in TILES:
-            fn = jax.jit(functools.partial(flash_forward_mgpu_tiles, scale=d ** -0.5, causal=True, block_q=64,
-                                           block_kv=block_kv, stages=stages, programs=sms()))
-            try:
-                jax.block_until_ready(fn(q, k, v))
-            except ValueError as exc:  # shared memory: the kernel's own check says so
-                print(f"{shape} block_kv={block_kv} stages={stages}: {str(exc).splitlines()[0][:160]}", flush=True)
-                continue
-            fns[f"block_kv={block_kv} stages={stages}"] = functools.partial(fn, q, k, v)
+        fns = forward_fns(shape, {f"block_kv={block_kv} stages={stages}": (
+            flash_forward_mgpu_tiles, dict(block_q=64, block_kv=block_kv, stages=stages)) for block_kv, stages in TILES})
         result = timed(fns, causal_flops(b, h, l, d))
         rows.append(dict(part="forward-tiles", shape=list(shape), chosen=calls.hopper_tiles("forward", d, l),
                          variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()}))
@@ -217,25 +230,11 @@ def cudnn_forward_us(b, l, h, d):
 def forward_variant(rows, path, module):
     for shape in FORWARD_VARIANT_SHAPES:
         b, l, h, d = shape
-        keys = jax.random.split(jax.random.key(1), 3)
-        q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
         tuned = calls.hopper_tiles("forward", d, l)
         options = {"as is": (flash_forward_mgpu_tiles, tuned), "variant": (module.flash_forward_mgpu_tiles, tuned)}
         options.update({f"variant {t['block_kv']}x{t['stages']}": (module.flash_forward_mgpu_tiles, t)
                         for t in FORWARD_VARIANT_TILES[d] if t != tuned})
-        fns, first = {}, None
-        for name, (kernel, tiles) in options.items():
-            fn = jax.jit(functools.partial(kernel, scale=d ** -0.5, causal=True, programs=sms(), **tiles))
-            try:
-                out, lse = jax.block_until_ready(fn(q, k, v))
-            except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported
-                print(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
-                continue
-            first = out if first is None else first
-            diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - first.astype(jnp.float32))))
-            print(f"    {name}: max abs difference of out from the first {diff}", flush=True)
-            fns[name] = functools.partial(fn, q, k, v)
-        result = timed(fns, causal_flops(b, h, l, d))
+        result = timed(forward_fns(shape, options), causal_flops(b, h, l, d))
         cudnn = cudnn_forward_us(b, l, h, d)
         rows.append(dict(part="variant", variant=str(path), shape=list(shape), cudnn_us=cudnn,
                          variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()}))

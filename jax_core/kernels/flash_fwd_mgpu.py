@@ -132,11 +132,10 @@ HALF_BLOCK_MIN = 128
 
 def _halved_last_block(rows, lo, end, band):
     """1 if the last key block of rows [rows, rows + block_q)'s masked tail [lo, end) holds no key that
-    any of them sees in its second half (so its products may stop at half the block), else 0. The
-    causal diagonal makes this the case for every other warpgroup of a causal walk: 64 query rows
-    against 128-key blocks (the first row of a tile sees half a block fewer keys than its last)."""
-    if band.block_kv < HALF_BLOCK_MIN:
-        return jnp.int32(0)
+    any of them sees in its second half (so its products may stop at half the block), else 0; for
+    blocks of at least HALF_BLOCK_MIN keys. The causal diagonal makes this the case for every other
+    warpgroup of a causal walk: 64 query rows against 128-key blocks (the first row of a tile sees
+    half a block fewer keys than its last)."""
     seen_end = jnp.int32(band.kv_len)  # one past the last key the block's last row sees
     if band.right is not None:
         seen_end = jnp.minimum(seen_end, rows + (band.block_q + band.diag_offset + band.right))
@@ -549,9 +548,10 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             carry = lax.fori_loop(start, full_start, functools.partial(kv_step, masked=True), carry)
         carry = lax.fori_loop(full_start, full_end, functools.partial(kv_step, masked=False), carry)
         if band.right is not None or band.ragged_end:
-            halved = _halved_last_block(rows, full_end, end, band)
+            halves = block_kv >= HALF_BLOCK_MIN
+            halved = _halved_last_block(rows, full_end, end, band) if halves else 0
             carry = lax.fori_loop(full_end, end - halved, functools.partial(kv_step, masked=True), carry)
-            if band.block_kv >= HALF_BLOCK_MIN:
+            if halves:
                 carry = lax.fori_loop(end - halved, end, functools.partial(kv_step, masked=True,
                                                                            keys=block_kv // 2), carry)
         if band.right is not None:
