@@ -113,10 +113,10 @@ def _staging_shape(d, block_q):
 
 
 def smem_bytes(d, itemsize, *, block_q, block_kv, stages):
-    """Shared-memory buffers of one program: K and V of both warpgroups, the Q and dO rings, dS^T and
-    the float32 dQ staging tiles (LSE and delta slots are a few hundred bytes)."""
+    """Shared-memory buffers of one program: K and V of both warpgroups, the Q and dO rings, their
+    LSE and delta slots, dS^T and the float32 dQ staging tiles."""
     kv = 2 * COMPUTE_WGS * block_kv * d * itemsize
-    rings = 2 * stages * block_q * d * itemsize
+    rings = 2 * stages * block_q * (d * itemsize + 4)
     ds = COMPUTE_WGS * block_kv * block_q * itemsize * (2 if dq_split(d, block_q) else 1)
     rows, cols = _staging_shape(d, block_q)
     return kv + rings + ds + COMPUTE_WGS * rows * cols * 4
@@ -248,7 +248,9 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
         plgpu.SMEM((COMPUTE_WGS, *_staging_shape(d, block_q)), jnp.float32),  # dQ staging
     )
     barriers = dict(
-        kv_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        # Per compute warpgroup, one for K and one for V: both tiles load at once.
+        k_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        v_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         q_ready=plgpu.Barrier(num_barriers=stages),
         do_ready=plgpu.Barrier(num_barriers=stages),
         lse_ready=plgpu.Barrier(num_barriers=stages),
@@ -430,10 +432,11 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
             @pl.when(j > 0)  # the last item's dK and dV stores have read the K and V tiles
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["kv_ready"].at[wg])
-        plgpu.barrier_wait(bars["kv_ready"].at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem, bars["kv_ready"].at[wg])
-        plgpu.barrier_wait(bars["kv_ready"].at[wg])
+        # K and V load together: a short walk (a few query blocks) waits for one load, not two in turn.
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["k_ready"].at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem, bars["v_ready"].at[wg])
+        plgpu.barrier_wait(bars["k_ready"].at[wg])
+        plgpu.barrier_wait(bars["v_ready"].at[wg])
 
         def q_step(step, carry, *, masked):
             dk, dv = carry
