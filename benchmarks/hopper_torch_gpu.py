@@ -2,7 +2,8 @@
 same drop-in on the Triton kernels and torch's own SDPA backends (cuDNN, flash), in one process.
 
     python benchmarks/hopper_torch_gpu.py [--out hopper_torch.json] [--quick | --targets | --head-dim-64 | --features]
-                                          [--edges] [--rows 'jaxattn hopper,torch cudnn'] [--rounds 3]
+                                          [--edges | --backward-step] [--rows 'jaxattn hopper,torch cudnn']
+                                          [--rounds 3]
 
 Rows, causal bf16 at head dim 128 unless noted, each timed forward only (no grad) and forward +
 backward (autograd.grad of the output against a fixed cotangent):
@@ -17,6 +18,9 @@ Then head dim 64, GQA at head dim 64, and lengths that are not whole tiles. And 
 (2,16,8192,128): the forward kernel with a soft cap, sinks, or a causal window covering every key,
 against the plain causal kernel (as_torch_kernel directly); forward + backward through `hopper_flash`
 with a soft cap or windows.
+`--backward-step` times a training step's parts at the target shapes instead: the forward with gradients
+and the backward step alone, ours against cuDNN, and our backward step on the Python path split into
+its operands pass, kernel and results pass (CUDA events around each), with what lies outside them.
 
 Timing: `gpu_timing.time_torch` (back-to-back calls between CUDA events, median of repeats), the rows
 of a shape timed in turn, `--rounds` times; each row reports the median of its rounds, and the
@@ -207,6 +211,115 @@ def _feature_costs_train(rows):
         print(f"{str(tuple(row['shape'])):20} {row['row']:32} {us:9.1f} us  {100 * row['cost']:+.1f}%", flush=True)
 
 
+class _Spans:
+    """CUDA events around calls of the named functions of `module` while entered (the Python path's
+    pieces of a step): per name, the mean time from the call's first launch to its last, µs. The
+    events are recorded on the stream without a synchronisation, so back-to-back steps keep the GPU
+    queued and a span reads GPU time."""
+
+    def __init__(self, module, names):
+        self.module, self.names, self.events = module, names, {name: [] for name in names}
+
+    def __enter__(self):
+        self.saved = {name: getattr(self.module, name) for name in self.names}
+        for name, fn in self.saved.items():
+            setattr(self.module, name, self._timed(name, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(self.module, name, fn)
+
+    def _timed(self, name, fn):
+        def call(*args, **kwargs):  # forwards every argument as given
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn(*args, **kwargs)
+            end.record()
+            self.events[name].append((start, end))
+            return result
+        return call
+
+    def mean_us(self):
+        torch.cuda.synchronize()
+        return {name: statistics.mean(a.elapsed_time(b) * 1e3 for a, b in pairs) if pairs else float("nan")
+                for name, pairs in self.events.items()}
+
+
+#: The Python path's pieces of the Hopper backward step (`hopper_flash.hopper_backward`).
+BACKWARD_PIECES = ("backward_operands", "_BACKWARD", "backward_results")
+
+
+def backward_step(shape, rows, rounds):
+    """A training step's parts alone, causal bf16, ours (both Hopper kernels) against cuDNN: the forward
+    with gradients (its graph kept, no backward) and the backward step (`autograd.grad` of a kept
+    forward, `retain_graph`), timed in turn `rounds` times; then our backward step on the Python path
+    (compiled programs off), split into its operands pass, kernel and results pass by CUDA events."""
+    import os
+
+    from jaxattn.torch_api import hopper_program
+
+    b, h, l, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+              for _ in range(3)]
+    cot = torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    parts = {}
+    for name in ("jaxattn hopper", "torch cudnn"):
+        fn = ROWS[name]
+        out = fn(*leaves, True)
+        torch.autograd.grad(out, leaves, cot, retain_graph=True)  # settles the signature's program
+        parts[name] = (lambda fn=fn: fn(*leaves, True),
+                       lambda out=out: torch.autograd.grad(out, leaves, cot, retain_graph=True))
+    times = {name: ([], []) for name in parts}
+    for _ in range(rounds):
+        for name, (forward, step) in parts.items():
+            times[name][0].append(time_torch(forward, iters=10, repeats=3))
+            times[name][1].append(time_torch(step, iters=5, repeats=3))
+    found = {}
+    for name, (forward, step) in times.items():
+        row = found[name] = dict(shape=list(shape), row=f"{name}, step parts", fwd_with_grad_us=statistics.median(forward),
+                                 bwd_step_us=statistics.median(step), fwd_rounds=forward, bwd_rounds=step)
+        rows.append(row)
+        print(f"{str(tuple(shape)):20} {name:15} forward with grad {row['fwd_with_grad_us']:9.1f} us | backward step "
+              f"{row['bwd_step_us']:9.1f} us", flush=True)
+    # The Python path: a fresh signature (its settled program dropped) with the programs switched off.
+    saved_env, saved_programs = os.environ.get(triton_program_switch()), dict(hopper_program._PROGRAMS)
+    os.environ[triton_program_switch()] = "0"
+    hopper_program._PROGRAMS.clear()
+    try:
+        out = ROWS["jaxattn hopper"](*leaves, True)
+
+        def python_step():
+            torch.autograd.grad(out, leaves, cot, retain_graph=True)
+        python_step()
+        whole = time_torch(python_step, iters=5, repeats=3)
+        with _Spans(hopper_flash, BACKWARD_PIECES) as spans:
+            for _ in range(10):
+                python_step()
+        pieces = spans.mean_us()
+    finally:
+        hopper_program._PROGRAMS.clear()
+        hopper_program._PROGRAMS.update(saved_programs)
+        if saved_env is None:
+            os.environ.pop(triton_program_switch())
+        else:
+            os.environ[triton_program_switch()] = saved_env
+    row = dict(shape=list(shape), row="jaxattn hopper, Python path backward step", bwd_step_us=whole,
+               pieces_us={"operands pass": pieces["backward_operands"], "kernel": pieces["_BACKWARD"],
+                          "results pass": pieces["backward_results"]})
+    row["outside_pieces_us"] = whole - sum(row["pieces_us"].values())
+    rows.append(row)
+    print(f"{str(tuple(shape)):20} Python path backward step {whole:9.1f} us: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in row["pieces_us"].items()) + f", outside them {row['outside_pieces_us']:.1f} us",
+          flush=True)
+
+
+def triton_program_switch():
+    from jaxattn.bridge import triton_program
+    return triton_program.ENV_SWITCH
+
+
 def format_row(row):
     head = f"{str(tuple(row['shape'])):20} {row['dtype']:8} {'causal' if row['causal'] else 'full':6} {row['row']:15}"
     if "error" in row:
@@ -227,6 +340,9 @@ def main():
     which.add_argument("--targets", action="store_true", help="the target shapes only, no feature costs")
     which.add_argument("--head-dim-64", action="store_true", help="the head-dim-64 shapes only")
     which.add_argument("--features", action="store_true", help="the feature costs only")
+    which.add_argument("--backward-step", action="store_true",
+                       help="the target shapes' training step in parts: the forward with gradients, the backward "
+                            "step, and ours on the Python path split into its passes and kernel")
     which.add_argument("--edges", action="store_true",
                        help="the lengths that are not whole tiles only, padded and in place (calls.HOPPER_TMA_EDGES)")
     parser.add_argument("--rows", default=None,
@@ -258,6 +374,9 @@ def main():
     elif args.targets:
         for shape in TARGET_SHAPES:
             run(shape)
+    elif args.backward_step:
+        for shape in TARGET_SHAPES:
+            backward_step(shape, rows, args.rounds)
     elif args.head_dim_64:
         for shape in SHAPES_64 + GQA_SHAPES_64 + [s for s in EDGE_SHAPES if s[-1] == 64]:
             run(shape)
