@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
+from unittest import mock
 
 import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
 import jax
@@ -44,8 +46,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpu_timing import time_torch, write_report
+from jaxattn.bridge import triton_program
 from jaxattn.jax_core import calls
-from jaxattn.torch_api import hopper_flash, scaled_dot_product_attention, sdpa_launcher
+from jaxattn.torch_api import hopper_flash, hopper_program, scaled_dot_product_attention, sdpa_launcher
 
 SHAPES = [(1, 16, 16384, 128), (2, 16, 8192, 128), (2, 16, 4096, 128), (4, 16, 2048, 128), (8, 16, 1024, 128)]
 # Head dim 64 (the issue's target shapes among them), GQA at head dim 64 as (B, Hq, Hk, L, D) (model B
@@ -157,8 +160,6 @@ def feature_costs(rows):
 
     from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
-    from jaxattn.bridge import triton_program
-
     b, h, l, d = FEATURE_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, l, h, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -255,10 +256,6 @@ def backward_step(shape, rows, rounds):
     with gradients (its graph kept, no backward) and the backward step (`autograd.grad` of a kept
     forward, `retain_graph`), timed in turn `rounds` times; then our backward step on the Python path
     (compiled programs off), split into its operands pass, kernel and results pass by CUDA events."""
-    import os
-
-    from jaxattn.torch_api import hopper_program
-
     b, h, l, d = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     leaves = [torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
@@ -284,27 +281,23 @@ def backward_step(shape, rows, rounds):
         print(f"{str(tuple(shape)):20} {name:15} forward with grad {row['fwd_with_grad_us']:9.1f} us | backward step "
               f"{row['bwd_step_us']:9.1f} us", flush=True)
     # The Python path: a fresh signature (its settled program dropped) with the programs switched off.
-    saved_env, saved_programs = os.environ.get(triton_program_switch()), dict(hopper_program._PROGRAMS)
-    os.environ[triton_program_switch()] = "0"
+    saved_programs = dict(hopper_program._PROGRAMS)
     hopper_program._PROGRAMS.clear()
     try:
-        out = ROWS["jaxattn hopper"](*leaves, True)
+        with mock.patch.dict(os.environ, {triton_program.ENV_SWITCH: "0"}):
+            out = ROWS["jaxattn hopper"](*leaves, True)
 
-        def python_step():
-            torch.autograd.grad(out, leaves, cot, retain_graph=True)
-        python_step()
-        whole = time_torch(python_step, iters=5, repeats=3)
-        with _Spans(hopper_flash, BACKWARD_PIECES) as spans:
-            for _ in range(10):
-                python_step()
-        pieces = spans.mean_us()
+            def python_step():
+                torch.autograd.grad(out, leaves, cot, retain_graph=True)
+            python_step()
+            whole = time_torch(python_step, iters=5, repeats=3)
+            with _Spans(hopper_flash, BACKWARD_PIECES) as spans:
+                for _ in range(10):
+                    python_step()
+            pieces = spans.mean_us()
     finally:
         hopper_program._PROGRAMS.clear()
         hopper_program._PROGRAMS.update(saved_programs)
-        if saved_env is None:
-            os.environ.pop(triton_program_switch())
-        else:
-            os.environ[triton_program_switch()] = saved_env
     row = dict(shape=list(shape), row="jaxattn hopper, Python path backward step", bwd_step_us=whole,
                pieces_us={"operands pass": pieces["backward_operands"], "kernel": pieces["_BACKWARD"],
                           "results pass": pieces["backward_results"]})
@@ -313,11 +306,6 @@ def backward_step(shape, rows, rounds):
     print(f"{str(tuple(shape)):20} Python path backward step {whole:9.1f} us: " + ", ".join(
         f"{k} {v:.1f}" for k, v in row["pieces_us"].items()) + f", outside them {row['outside_pieces_us']:.1f} us",
           flush=True)
-
-
-def triton_program_switch():
-    from jaxattn.bridge import triton_program
-    return triton_program.ENV_SWITCH
 
 
 def format_row(row):
@@ -362,7 +350,6 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
     # Eager calls run as compiled programs once the programs' extension is built (in the background,
     # on first use): build it first, so that every row times the steady state a training loop sees.
-    from jaxattn.bridge import triton_program
     print("compiled programs:", triton_program.wait(600), flush=True)
     rows = []
 
