@@ -37,6 +37,11 @@ warpgroups store the last item's dK and dV and load its K and V. Per program:
     * dQ: every program adds its partial dQ into dq_accum by a TMA reduce-add (float32, in L2).
       The sum is therefore not bit-reproducible run to run (the order of the adds varies); the
       Triton kernels remain the deterministic backward.
+    * dK, dV leave through shared memory: in the K and V tiles (head dim 128), or, where it fits
+      (head dim 64, 128-row query blocks: `out_staging`), in the dQ staging tile's memory; with head
+      splits the float32 partials leave through the staging tile too. Where the K and V tiles are
+      not the way out, the next item's K and V load as soon as a walk ends, while this item's dK and
+      dV are stored.
 Features, compiled in (none of them costs anything when unused), as in the forward:
     * causal and sliding window `window=(left, right)` (-1: unbounded side): query row i sees keys
       i + diag_offset - left <= j <= i + diag_offset + right (causal: right = 0). A program walks
@@ -120,6 +125,17 @@ def smem_bytes(d, itemsize, *, block_q, block_kv, stages):
     ds = COMPUTE_WGS * block_kv * block_q * itemsize * (2 if dq_split(d, block_q) else 1)
     rows, cols = _staging_shape(d, block_q)
     return kv + rings + ds + COMPUTE_WGS * rows * cols * 4
+
+
+def out_staging(d, itemsize, *, block_q, block_kv, stages, splits):
+    """Whether dK and dV leave through the dQ staging tiles' memory (a union of the two) rather than
+    through the K and V tiles: where they are bf16 or fp16 (one split) and the union fits. The K and
+    V tiles are then free as soon as a walk ends, so the next item's K and V load while this item's
+    dK and dV are stored."""
+    rows, cols = _staging_shape(d, block_q)
+    grown = max(0, 2 * block_kv * d * itemsize - rows * cols * 4) * COMPUTE_WGS
+    need = smem_bytes(d, itemsize, block_q=block_q, block_kv=block_kv, stages=stages) + grown
+    return splits == 1 and need <= SMEM_BYTES - SMEM_RESERVE
 
 
 def _check(q, k, v, do, lse_log2, delta, dq_accum, *, scale, diag_offset, window, softcap, block_q, block_kv,
@@ -206,6 +222,7 @@ class _Settings(NamedTuple):
     block_q: int
     block_kv: int
     stages: int
+    out_staging: bool  # dK and dV leave through the dQ staging tiles' memory (`out_staging`)
     group: int  # query heads per KV head
     batches: int  # query batches per KV batch (`batch_group`: (batch, head) pairs folded into the batch)
     splits: int  # items per (KV batch and head, key block) that share its query sources (`head_splits`)
@@ -245,7 +262,7 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
         # dS^T of each warpgroup; with dQ split, two buffers by step parity (the other warpgroup may
         # still read the previous step's).
         plgpu.SMEM(((2,) if dq_split(d, block_q) else ()) + (COMPUTE_WGS, block_kv, block_q), dtype, **tiled),
-        plgpu.SMEM((COMPUTE_WGS, *_staging_shape(d, block_q)), jnp.float32),  # dQ staging
+        _staging(d, dtype, block_q, block_kv, cfg.out_staging, tiled, on_gpu=cfg.interpret is None),
     )
     barriers = dict(
         # Per compute warpgroup, one for K and one for V: both tiles load at once.
@@ -261,6 +278,18 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
     )
     refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref)
     pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, cfg), smem, barriers, collective_axes="wg")
+
+
+def _staging(d, dtype, block_q, block_kv, union, tiled, *, on_gpu):
+    """The float32 dQ staging tile of each compute warpgroup; with `union`, sharing its memory with
+    each warpgroup's dK and dV tiles (2, block_kv, d) on their way out (warpgroup w's tiles lie in
+    its own staging tile's bytes: both arrays lead with the warpgroup). Mosaic GPU's interpreter
+    (jax 0.10 to 0.11) has no unions: there the two are apart, in the same order of use."""
+    staging = plgpu.SMEM((COMPUTE_WGS, *_staging_shape(d, block_q)), jnp.float32)
+    if not union:
+        return staging
+    out = plgpu.SMEM((COMPUTE_WGS, 2, block_kv, d), dtype, **tiled)
+    return plgpu.RefUnion(staging, out) if on_gpu else (staging, out)
 
 
 def _warpgroups(refs, bufs, bars, cfg: _Settings):
@@ -413,7 +442,12 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
     scale, interpret = cfg.scale, cfg.interpret
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     _, k_ref, v_ref, _, _, _, dq_ref, dk_ref, dv_ref = refs
-    k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, ds_all, dq_smem = bufs
+    k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, ds_all, staging = bufs
+    if cfg.out_staging:
+        dq_smem, out_smem = staging
+        out_smem = out_smem.at[wg]
+    else:
+        dq_smem = staging
     k_smem, v_smem, dq_smem = k_all.at[wg], v_all.at[wg], dq_smem.at[wg]
     d, dtype = k_smem.shape[-1], k_smem.dtype
     split = dq_split(d, block_q)
@@ -421,20 +455,33 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
     # With a soft cap the exponent is softcap * log2(e) * tanh(scale / softcap * s) (as in the forward).
     scale_log2 = (scale if cfg.softcap is None else cfg.softcap) * LOG2E
 
+    items = cfg.items.count(program)
+    # Whether the K and V tiles are never the source of a store (dK and dV leave through the staging
+    # tiles): then the next item's K and V load as soon as this item's walk has read them.
+    early_kv = cfg.out_staging or cfg.splits > 1
+
+    def load_kv(j):
+        """Starts the loads of this warpgroup's K and V tiles of item j, both at once (a short walk, a
+        few query blocks, waits for one load, not two in turn)."""
+        it = _item(program, j, cfg)
+        kv_block = (it.batch, pl.ds(it.kv_start + wg * block_kv, block_kv), it.kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["k_ready"].at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem, bars["v_ready"].at[wg])
+
     def item(j, loaded):
         """The j-th item; `loaded` counts the query blocks of the earlier ones, as the memory warpgroup
         does: step `step` reads ring slot (loaded + step) % stages."""
         it = _item(program, j, cfg)
         batch, kv_head, part = it.batch, it.kv_head, it.part
         keys = it.kv_start + wg * block_kv
-        kv_block = (batch, pl.ds(keys, block_kv), kv_head)
-        if on_gpu:
-            @pl.when(j > 0)  # the last item's dK and dV stores have read the K and V tiles
-            def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        # K and V load together: a short walk (a few query blocks) waits for one load, not two in turn.
-        plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["k_ready"].at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem, bars["v_ready"].at[wg])
+        if early_kv:  # loaded as the last item's walk ended (the first item's now)
+            pl.when(j == 0)(lambda: load_kv(j))
+        else:
+            if on_gpu:
+                @pl.when(j > 0)  # the last item's dK and dV stores have read the K and V tiles
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            load_kv(j)
         plgpu.barrier_wait(bars["k_ready"].at[wg])
         plgpu.barrier_wait(bars["v_ready"].at[wg])
 
@@ -521,11 +568,21 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
         if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
             plgpu.barrier_arrive(bars["ds_ready"])
             plgpu.barrier_wait(bars["ds_ready"])
-        if cfg.splits == 1:  # K and V are no longer read: their tiles take dK and dV on the way out
+        if early_kv:
+            pl.when(j + 1 < items)(lambda: load_kv(j + 1))
+        out_block = (batch, pl.ds(keys, block_kv), kv_head)
+        if cfg.out_staging:  # through the staging tile's memory, once the last dQ add has read it
+            if on_gpu:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_smem.at[0][...] = dk.astype(dtype)
+            out_smem.at[1][...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[0], dk_ref.at[out_block])
+            plgpu.copy_smem_to_gmem(out_smem.at[1], dv_ref.at[out_block])
+        elif cfg.splits == 1:  # K and V are no longer read: their tiles take dK and dV on the way out
             k_smem[...] = dk.astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
-            out_block = (batch, pl.ds(keys, block_kv), kv_head)
             plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
         else:  # this split's float32 partial sums, column block by column block through the dQ staging tile
@@ -543,7 +600,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
             plgpu.wait_smem_to_gmem(0)
         return loaded + it.steps(cfg)
 
-    lax.fori_loop(0, cfg.items.count(program), item, jnp.int32(0))
+    lax.fori_loop(0, items, item, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -713,6 +770,8 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, batches=batches, splits=head_splits,
+                     out_staging=out_staging(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q=block_q,
+                                             block_kv=block_kv, stages=stages, splits=head_splits),
                      num_q_blocks=pl.cdiv(q.shape[1], block_q),
                      items=_Items(batch=b, columns=columns, waves=waves(b * columns * key_blocks, programs)),
                      interpret=interpret)

@@ -1,0 +1,155 @@
+"""Where a training step's time goes, the Hopper kernels through the torch drop-in against torch's
+cuDNN attention, causal bf16: each kernel's GPU time, and the step under sustained load.
+
+    python benchmarks/hopper_step_profile_gpu.py [--part kernels | --part sustained | --part both]
+                                                 [--out step_profile.json]
+
+* `kernels`: torch.profiler over 5 steps (after 3 unprofiled ones), at (2, 16, 8192, 128) and
+  (16, 16, 1024, 64): forward + backward (`autograd.grad` of a fresh output) and the backward step
+  alone (`autograd.grad` of one kept output, `retain_graph`). Per row: each kernel's GPU time per
+  step, their sum, and the span from the first kernel's start to the last one's end per step (span
+  minus sum: the GPU idle inside the steps; the first profiled step carries the profiler's own
+  buffer set-up, so a few tens of µs per step is not the library's).
+* `sustained`: forward + backward at (2, 16, 8192, 128), in chunks of 10 steps between CUDA events for
+  12 s per row, each row twice in turn after a 3 s rest. Per row: the first chunk's step time (cool
+  GPU, full clock), the median chunk's, and the median SM clock, board power and temperature
+  `nvidia-smi` reports over the last two thirds of the run. Under a power cap the GPU lowers its
+  clock to hold the power: a kernel that spends more energy per step runs at a lower clock than
+  one doing the same work for less.
+
+Our rows run the compiled launch programs (`triton_program`), waited for before anything is timed:
+a step run while the extension builds, or with an output made before its signature's program was
+registered, is the Python path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gpu_timing import write_report
+from hopper_torch_gpu import ROWS
+from jaxattn.bridge import triton_program
+
+KERNEL_SHAPES = [(2, 16, 8192, 128), (16, 16, 1024, 64)]
+SUSTAINED_SHAPE = (2, 16, 8192, 128)
+NAMES = ("jaxattn hopper", "torch cudnn")
+
+
+def _inputs(shape):
+    b, h, l, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+              for _ in range(3)]
+    return leaves, torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+
+def _profiled(step, steps=5) -> dict:
+    """Kernels' GPU time per step ({name: µs}), their sum and the span per step, over `steps` steps."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_kernel = collections.defaultdict(float)
+    for e in gpu:
+        per_kernel[e.name] += (e.time_range.end - e.time_range.start) / steps
+    span = (max(e.time_range.end for e in gpu) - min(e.time_range.start for e in gpu)) / steps
+    return dict(kernels_us=dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])),
+                kernel_sum_us=sum(per_kernel.values()), span_us=span)
+
+
+def kernels(rows: list) -> None:
+    for shape in KERNEL_SHAPES:
+        leaves, cot = _inputs(shape)
+        for name in NAMES:
+            fn = ROWS[name]
+            torch.autograd.grad(fn(*leaves, True), leaves, cot)  # registers our signature's program
+            kept = fn(*leaves, True)
+            parts = {"fwd+bwd": lambda fn=fn: torch.autograd.grad(fn(*leaves, True), leaves, cot),
+                     "bwd step": lambda kept=kept: torch.autograd.grad(kept, leaves, cot, retain_graph=True)}
+            for part, step in parts.items():
+                row = dict(shape=list(shape), row=name, part=part, grad_fn=type(kept.grad_fn).__name__,
+                           **_profiled(step))
+                rows.append(row)
+                print(f"{str(tuple(shape)):20} {name:15} {part:9} span {row['span_us']:8.1f} us/step, kernels "
+                      f"{row['kernel_sum_us']:8.1f}", flush=True)
+                for kernel, us in row["kernels_us"].items():
+                    print(f"{'':46}{us:8.1f}  {kernel[:90]}", flush=True)
+
+
+def _smi_samples(stop: threading.Event, samples: list) -> None:
+    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits"]
+    while not stop.is_set():
+        reply = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
+        try:
+            samples.append([float(x) for x in reply[0].split(",")])
+        except (IndexError, ValueError):  # a reply nvidia-smi could not fill ("[N/A]"): skipped
+            pass
+        time.sleep(0.2)
+
+
+def sustained(rows: list, seconds: float = 12.0, rounds: int = 2) -> None:
+    leaves, cot = _inputs(SUSTAINED_SHAPE)
+    for rnd in range(rounds):
+        for name in NAMES:
+            fn = ROWS[name]
+            for _ in range(3):
+                torch.autograd.grad(fn(*leaves, True), leaves, cot)
+            torch.cuda.synchronize()
+            time.sleep(3)
+            stop, samples, chunks = threading.Event(), [], []
+            sampler = threading.Thread(target=_smi_samples, args=(stop, samples))
+            sampler.start()
+            began = time.perf_counter()
+            while time.perf_counter() - began < seconds:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(10):
+                    torch.autograd.grad(fn(*leaves, True), leaves, cot)
+                end.record()
+                end.synchronize()
+                chunks.append(start.elapsed_time(end) * 100)  # ms per 10 steps -> µs per step
+            stop.set()
+            sampler.join()
+            late = samples[len(samples) // 3:]
+            smi = {key: statistics.median(s[i] for s in late) if late else float("nan")
+                   for i, key in enumerate(("sm_clock_mhz", "power_w", "temperature_c"))}
+            row = dict(shape=list(SUSTAINED_SHAPE), row=name, round=rnd, first_chunk_step_us=chunks[0],
+                       median_step_us=statistics.median(chunks), last_chunk_step_us=chunks[-1], **smi)
+            rows.append(row)
+            print(f"round {rnd} {name:15} step: first chunk {chunks[0]:7.0f} us, median {row['median_step_us']:7.0f}"
+                  f" | SM clock {smi['sm_clock_mhz']:.0f} MHz, power {smi['power_w']:.0f} W, "
+                  f"{smi['temperature_c']:.0f} C", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("kernels", "sustained", "both"), default="both")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    print(torch.cuda.get_device_name(), f"torch {torch.__version__}", flush=True)
+    print("compiled programs:", triton_program.wait(600), flush=True)
+    rows: list = []
+    if args.part in ("kernels", "both"):
+        kernels(rows)
+    if args.part in ("sustained", "both"):
+        sustained(rows)
+    if args.out:
+        write_report(args.out, rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
