@@ -17,8 +17,10 @@ own compiled host program (`HostProgramLaunch`: JAX's Mosaic GPU kernels compile
     >>> out, = apply(pid, [x, y, z])       # same kernels, same results as the KernelLaunch path
 
 The extension is built with torch's C++ extension tooling (a C++ compiler, no CUDA toolkit) the
-first time a CUDA program is requested, in a background thread; until it is ready (or where it
-cannot be built) `register` returns None and callers keep their Python path. Results are the same
+first time a CUDA program is requested, in a background thread, in its own folder (`build_directory`)
+and under an flock the system releases if the builder dies (`_builder_lock`: torch's own lock file,
+left by a killed build, would stall every later one); until it is ready (or where it cannot be
+built) `register` returns None and callers keep their Python path. Results are the same
 either way: the same compiled kernels run with the same arguments. `wait()` blocks until the build
 has finished (benchmarks, tests).
 
@@ -33,8 +35,10 @@ back as values and are raised here (`_result`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import warnings
 from typing import Mapping, Optional, Sequence
@@ -69,8 +73,12 @@ class _Build:
         try:
             from torch.utils import cpp_extension
 
-            self.module = cpp_extension.load(name="jaxattn_triton_program", sources=[_SOURCE],
-                                             extra_cflags=["-O3"], extra_ldflags=["-ldl"], verbose=False)
+            directory = build_directory()
+            os.makedirs(directory, exist_ok=True)
+            with _builder_lock(directory):
+                self.module = cpp_extension.load(name="jaxattn_triton_program", sources=[_SOURCE],
+                                                 extra_cflags=["-O3"], extra_ldflags=["-ldl"],
+                                                 build_directory=directory, verbose=False)
         except Exception as exc:  # no compiler, no headers: the Python path stays
             self.error = exc
             warnings.warn(f"jaxattn: the compiled launch path could not be built ({type(exc).__name__}: "
@@ -80,6 +88,42 @@ class _Build:
 
 
 _build = _Build()
+
+
+def build_directory() -> str:
+    """Where the extension is built: under torch's extension root (`TORCH_EXTENSIONS_DIR`, else
+    torch's per-user cache), one folder per Python, accelerator and torch version (a build made
+    against another torch is not loaded)."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    accelerator = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    torch_version = "".join(c if c.isalnum() or c in "._" else "_" for c in torch.__version__)
+    return os.path.join(root, f"jaxattn_triton_program_{python}_{accelerator}_torch{torch_version}")
+
+
+@contextlib.contextmanager
+def _builder_lock(directory: str):
+    """Held while this process builds or loads the extension. torch's own lock is a file that a builder
+    removes when it finishes: one killed mid-build (Ctrl-C during a first call, a job's time limit)
+    leaves it behind, and every later build waits on it forever (the programs never turn on). This
+    lock is an flock, which the system releases when its holder dies: whoever holds it is the only
+    live builder, so a torch lock file found then is stale and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's lock alone, as torch has it
+        yield
+        return
+    with open(os.path.join(directory, "jaxattn_build.flock"), "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(directory, "lock")
+            if os.path.exists(stale):
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def enabled() -> bool:

@@ -4,7 +4,10 @@ the input's gradient is the identity: its output and gradients must be exactly t
 and a second-order backward must raise."""
 
 import ctypes
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -167,3 +170,15 @@ def test_host_program_launches_get_their_buffers_in_order(identity, monkeypatch)
     assert torch.equal(x.grad, 2 * cot) and torch.equal(y.grad, cot)
     assert seen[1:] == [(11, None), (22, None)]
     entries.clear()
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_stall_the_next_one(identity):
+    # torch's lock file, as a builder killed mid-build leaves it: a fresh process must still load the
+    # extension (without the stale-lock removal it waits on the file for ever and wait() gives up).
+    lock = os.path.join(triton_program.build_directory(), "lock")
+    open(lock, "w").close()
+    code = "import sys; from jaxattn.bridge import triton_program as t; sys.exit(0 if t.wait(180) else 1)"
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, triton_program.ENV_SWITCH: "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not os.path.exists(lock)
