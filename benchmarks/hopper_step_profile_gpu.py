@@ -12,8 +12,9 @@ cuDNN attention, causal bf16: each kernel's GPU time, and the step under sustain
   buffer set-up, so a few tens of µs per step is not the library's).
 * `sustained`: forward + backward at (2, 16, 8192, 128), in chunks of 10 steps between CUDA events for
   12 s per row, each row twice in turn after a 3 s rest. Per row: the first chunk's step time (cool
-  GPU, full clock), the median chunk's, and the median SM clock, board power and temperature
-  `nvidia-smi` reports over the last two thirds of the run. Under a power cap the GPU lowers its
+  GPU, full clock), the median chunk's, the median SM clock, board power and temperature
+  `nvidia-smi` reports over the last two thirds of the run, and the energy per step (NVML's energy
+  counter over the whole run, mJ). Under a power cap the GPU lowers its
   clock to hold the power: a kernel that spends more energy per step runs at a lower clock than
   one doing the same work for less.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import statistics
 import subprocess
 import sys
@@ -101,8 +103,34 @@ def _smi_samples(stop: threading.Event, samples: list) -> None:
         time.sleep(0.2)
 
 
+class _EnergyMeter:
+    """The GPU's energy counter (NVML's total energy since the driver loaded, mJ) through
+    libnvidia-ml, which ships with the driver; `read()` is None where it cannot be had."""
+
+    def __init__(self, device: int = 0):
+        self.handle = self.lib = None
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            props = torch.cuda.get_device_properties(device)
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
+            handle = ctypes.c_void_p()
+            if lib.nvmlInit_v2() == 0 and lib.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(handle)) == 0:
+                self.lib, self.handle = lib, handle
+        except (OSError, AttributeError):  # no NVML library, or a torch without the PCI fields
+            pass
+
+    def read(self):
+        if self.lib is None:
+            return None
+        energy = ctypes.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(energy)) != 0:
+            return None
+        return energy.value
+
+
 def sustained(rows: list, seconds: float = 12.0, rounds: int = 2) -> None:
     leaves, cot = _inputs(SUSTAINED_SHAPE)
+    meter = _EnergyMeter(torch.cuda.current_device())
     for rnd in range(rounds):
         for name in NAMES:
             fn = ROWS[name]
@@ -113,7 +141,7 @@ def sustained(rows: list, seconds: float = 12.0, rounds: int = 2) -> None:
             stop, samples, chunks = threading.Event(), [], []
             sampler = threading.Thread(target=_smi_samples, args=(stop, samples))
             sampler.start()
-            began = time.perf_counter()
+            began, energy_before = time.perf_counter(), meter.read()
             while time.perf_counter() - began < seconds:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -122,17 +150,22 @@ def sustained(rows: list, seconds: float = 12.0, rounds: int = 2) -> None:
                 end.record()
                 end.synchronize()
                 chunks.append(start.elapsed_time(end) * 100)  # ms per 10 steps -> µs per step
+            energy_after = meter.read()
             stop.set()
             sampler.join()
+            # Whole run's energy per step (the GPU's counter, every consumer on the board included).
+            energy = (None if energy_before is None or energy_after is None
+                      else (energy_after - energy_before) / (10 * len(chunks)))
             late = samples[len(samples) // 3:]
             smi = {key: statistics.median(s[i] for s in late) if late else float("nan")
                    for i, key in enumerate(("sm_clock_mhz", "power_w", "temperature_c"))}
             row = dict(shape=list(SUSTAINED_SHAPE), row=name, round=rnd, first_chunk_step_us=chunks[0],
-                       median_step_us=statistics.median(chunks), last_chunk_step_us=chunks[-1], **smi)
+                       median_step_us=statistics.median(chunks), last_chunk_step_us=chunks[-1],
+                       energy_per_step_mj=energy, **smi)
             rows.append(row)
             print(f"round {rnd} {name:15} step: first chunk {chunks[0]:7.0f} us, median {row['median_step_us']:7.0f}"
                   f" | SM clock {smi['sm_clock_mhz']:.0f} MHz, power {smi['power_w']:.0f} W, "
-                  f"{smi['temperature_c']:.0f} C", flush=True)
+                  f"{smi['temperature_c']:.0f} C" + ("" if energy is None else f", {energy:.0f} mJ/step"), flush=True)
 
 
 def main(argv=None) -> None:
