@@ -2,7 +2,8 @@
 cuDNN attention, causal bf16: each kernel's GPU time, and the step under sustained load.
 
     python benchmarks/hopper_step_profile_gpu.py [--part kernels | --part sustained | --part both]
-                                                 [--out step_profile.json]
+                                                 [--sustained-parts "fwd+bwd,fwd,bwd step"]
+                                                 [--seconds 10] [--out step_profile.json]
 
 * `kernels`: torch.profiler over 5 steps (after 3 unprofiled ones), at (2, 16, 8192, 128) and
   (16, 16, 1024, 64): forward + backward (`autograd.grad` of a fresh output) and the backward step
@@ -10,8 +11,9 @@ cuDNN attention, causal bf16: each kernel's GPU time, and the step under sustain
   step, their sum, and the span from the first kernel's start to the last one's end per step (span
   minus sum: the GPU idle inside the steps; the first profiled step carries the profiler's own
   buffer set-up, so a few tens of µs per step is not the library's).
-* `sustained`: forward + backward at (2, 16, 8192, 128), in chunks of 10 steps between CUDA events for
-  12 s per row, each row twice in turn after a 3 s rest. Per row: the first chunk's step time (cool
+* `sustained`: at (2, 16, 8192, 128), forward + backward, the forward alone and the backward step
+  alone (`--sustained-parts`), in chunks of 10 steps between CUDA events for `--seconds` (10) per
+  row, each row twice in turn after a 3 s rest. Per row: the first chunk's step time (cool
   GPU, full clock), the median chunk's, the median SM clock, board power and temperature
   `nvidia-smi` reports over the last two thirds of the run, and the energy per step (NVML's energy
   counter over the whole run, mJ). Under a power cap the GPU lowers its
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
 import torch
@@ -128,58 +131,88 @@ class _EnergyMeter:
         return energy.value
 
 
-def sustained(rows: list, seconds: float = 12.0, rounds: int = 2) -> None:
+def _steps(name: str, leaves: list, cot: torch.Tensor) -> dict:
+    """The sustained run's steps of row `name`: forward + backward, forward alone (no graph), and the
+    backward step alone (`retain_graph` on one kept output of the settled path)."""
+    fn = ROWS[name]
+    torch.autograd.grad(fn(*leaves, True), leaves, cot)  # registers our signature's program
+    kept = fn(*leaves, True)
+
+    def forward():
+        with torch.no_grad():
+            fn(*leaves, True)  # (q, k, v, causal)
+    return {"fwd+bwd": lambda: torch.autograd.grad(fn(*leaves, True), leaves, cot), "fwd": forward,
+            "bwd step": lambda: torch.autograd.grad(kept, leaves, cot, retain_graph=True)}
+
+
+def _sustained_run(step, seconds: float, meter: _EnergyMeter) -> tuple[list, list, Optional[float]]:
+    """(µs per step of each 10-step chunk, nvidia-smi samples, mJ per step) of `step` run for `seconds`."""
+    stop, samples, chunks = threading.Event(), [], []
+    sampler = threading.Thread(target=_smi_samples, args=(stop, samples))
+    sampler.start()
+    began, energy_before = time.perf_counter(), meter.read()
+    while time.perf_counter() - began < seconds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            step()
+        end.record()
+        end.synchronize()
+        chunks.append(start.elapsed_time(end) * 100)  # ms per 10 steps -> µs per step
+    energy_after = meter.read()
+    stop.set()
+    sampler.join()
+    # The whole run's energy per step (the board's counter: every consumer on it included).
+    energy = None if None in (energy_before, energy_after) else (energy_after - energy_before) / (10 * len(chunks))
+    return chunks, samples, energy
+
+
+def sustained(rows: list, parts: tuple, seconds: float, rounds: int = 2) -> None:
     leaves, cot = _inputs(SUSTAINED_SHAPE)
     meter = _EnergyMeter(torch.cuda.current_device())
-    for rnd in range(rounds):
-        for name in NAMES:
-            fn = ROWS[name]
-            for _ in range(3):
-                torch.autograd.grad(fn(*leaves, True), leaves, cot)
-            torch.cuda.synchronize()
-            time.sleep(3)
-            stop, samples, chunks = threading.Event(), [], []
-            sampler = threading.Thread(target=_smi_samples, args=(stop, samples))
-            sampler.start()
-            began, energy_before = time.perf_counter(), meter.read()
-            while time.perf_counter() - began < seconds:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(10):
-                    torch.autograd.grad(fn(*leaves, True), leaves, cot)
-                end.record()
-                end.synchronize()
-                chunks.append(start.elapsed_time(end) * 100)  # ms per 10 steps -> µs per step
-            energy_after = meter.read()
-            stop.set()
-            sampler.join()
-            # Whole run's energy per step (the GPU's counter, every consumer on the board included).
-            energy = (None if energy_before is None or energy_after is None
-                      else (energy_after - energy_before) / (10 * len(chunks)))
-            late = samples[len(samples) // 3:]
-            smi = {key: statistics.median(s[i] for s in late) if late else float("nan")
-                   for i, key in enumerate(("sm_clock_mhz", "power_w", "temperature_c"))}
-            row = dict(shape=list(SUSTAINED_SHAPE), row=name, round=rnd, first_chunk_step_us=chunks[0],
-                       median_step_us=statistics.median(chunks), last_chunk_step_us=chunks[-1],
-                       energy_per_step_mj=energy, **smi)
-            rows.append(row)
-            print(f"round {rnd} {name:15} step: first chunk {chunks[0]:7.0f} us, median {row['median_step_us']:7.0f}"
-                  f" | SM clock {smi['sm_clock_mhz']:.0f} MHz, power {smi['power_w']:.0f} W, "
-                  f"{smi['temperature_c']:.0f} C" + ("" if energy is None else f", {energy:.0f} mJ/step"), flush=True)
+    steps = {name: _steps(name, leaves, cot) for name in NAMES}
+    for part in parts:
+        for rnd in range(rounds):
+            for name in NAMES:
+                step = steps[name][part]
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                time.sleep(3)  # each row starts from a rested GPU
+                chunks, samples, energy = _sustained_run(step, seconds, meter)
+                late = samples[len(samples) // 3:]
+                smi = {key: statistics.median(s[i] for s in late) if late else float("nan")
+                       for i, key in enumerate(("sm_clock_mhz", "power_w", "temperature_c"))}
+                row = dict(shape=list(SUSTAINED_SHAPE), row=name, part=part, round=rnd, first_chunk_step_us=chunks[0],
+                           median_step_us=statistics.median(chunks), last_chunk_step_us=chunks[-1],
+                           energy_per_step_mj=energy, **smi)
+                rows.append(row)
+                print(f"{part:8} round {rnd} {name:15} step: first chunk {chunks[0]:7.0f} us, median "
+                      f"{row['median_step_us']:7.0f} | SM clock {smi['sm_clock_mhz']:.0f} MHz, power "
+                      f"{smi['power_w']:.0f} W, {smi['temperature_c']:.0f} C"
+                      + ("" if energy is None else f", {energy:.0f} mJ/step"), flush=True)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("kernels", "sustained", "both"), default="both")
+    parser.add_argument("--sustained-parts", default="fwd+bwd,fwd,bwd step",
+                        help="comma-separated steps the sustained part runs: fwd+bwd, fwd, bwd step")
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long each sustained row runs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    parts = tuple(p.strip() for p in args.sustained_parts.split(","))
+    unknown = [p for p in parts if p not in ("fwd+bwd", "fwd", "bwd step")]
+    if unknown:
+        parser.error(f"--sustained-parts={args.sustained_parts!r}: unknown {unknown}; expected a comma-separated "
+                     "list of fwd+bwd, fwd, bwd step")
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}", flush=True)
     print("compiled programs:", triton_program.wait(600), flush=True)
     rows: list = []
     if args.part in ("kernels", "both"):
         kernels(rows)
     if args.part in ("sustained", "both"):
-        sustained(rows)
+        sustained(rows, parts, args.seconds)
     if args.out:
         write_report(args.out, rows)
 
