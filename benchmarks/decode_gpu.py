@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 import statistics  # noqa: E402
 from typing import Optional  # noqa: E402
 
-from gpu_timing import time_jax, time_torch  # noqa: E402
+from gpu_timing import kernel_profile, time_jax, time_torch  # noqa: E402
 
 from jaxattn.bridge import to_jax  # noqa: E402
 from jaxattn.jax_core import decode_attention as jax_decode  # noqa: E402
@@ -367,19 +367,10 @@ def stream_sweep(copy_gbps, draws=4):
 def kernel_times():
     """Per call: wall time (back-to-back, JAX level) and each GPU kernel's time from torch's profiler
     (it records JAX's kernels too), for our default decode and torch SDPA over the padded cache."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def per_kernel(fn, n=30):
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
+    def per_kernel(fn):
         out: dict = {}
-        for e in prof.events():
-            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-                out[e.name[:60]] = out.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / n
+        for name, us in kernel_profile(fn, calls=30)[0].items():
+            out[name[:60]] = out.get(name[:60], 0.0) + us
         return {k: round(v, 1) for k, v in out.items()}
 
     rows = []

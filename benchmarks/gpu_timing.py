@@ -48,6 +48,27 @@ def time_jax(fn, warmup=5, iters=30, repeats=5):
     return statistics.median(times)
 
 
+def kernel_profile(fn, calls=30, warmup=1):
+    """Each GPU kernel's time per call of `fn` ({name: µs}, longest first) and the span per call from
+    the first kernel's start to the last one's end (µs), by torch's profiler (which records JAX's
+    kernels too) over `calls` calls after `warmup` unprofiled ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    per_kernel: dict = {}
+    for e in gpu:
+        per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
+    span = (max(e.time_range.end for e in gpu) - min(e.time_range.start for e in gpu)) / calls if gpu else 0.0
+    return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])), span
+
+
 def write_report(path, rows):
     """`rows` (a list of dicts) as JSON at `path`, with the device and the torch and JAX versions."""
     with open(path, "w") as f:

@@ -28,7 +28,6 @@ registered, is the Python path.
 from __future__ import annotations
 
 import argparse
-import collections
 import ctypes
 import statistics
 import subprocess
@@ -39,9 +38,8 @@ from typing import Optional
 
 import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from gpu_timing import write_report
+from gpu_timing import kernel_profile, write_report
 from hopper_torch_gpu import ROWS
 from jaxattn.bridge import triton_program
 
@@ -60,20 +58,8 @@ def _inputs(shape):
 
 def _profiled(step, steps=5) -> dict:
     """Kernels' GPU time per step ({name: µs}), their sum and the span per step, over `steps` steps."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    per_kernel = collections.defaultdict(float)
-    for e in gpu:
-        per_kernel[e.name] += (e.time_range.end - e.time_range.start) / steps
-    span = (max(e.time_range.end for e in gpu) - min(e.time_range.start for e in gpu)) / steps
-    return dict(kernels_us=dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])),
-                kernel_sum_us=sum(per_kernel.values()), span_us=span)
+    per_kernel, span = kernel_profile(step, calls=steps, warmup=3)
+    return dict(kernels_us=per_kernel, kernel_sum_us=sum(per_kernel.values()), span_us=span)
 
 
 def kernels(rows: list) -> None:

@@ -274,10 +274,9 @@ def backward_step(shape, rows, rounds):
         for name, (forward, step) in parts.items():
             times[name][0].append(time_torch(forward, iters=10, repeats=3))
             times[name][1].append(time_torch(step, iters=5, repeats=3))
-    found = {}
     for name, (forward, step) in times.items():
-        row = found[name] = dict(shape=list(shape), row=f"{name}, step parts", fwd_with_grad_us=statistics.median(forward),
-                                 bwd_step_us=statistics.median(step), fwd_rounds=forward, bwd_rounds=step)
+        row = dict(shape=list(shape), row=f"{name}, step parts", fwd_with_grad_us=statistics.median(forward),
+                   bwd_step_us=statistics.median(step), fwd_rounds=forward, bwd_rounds=step)
         rows.append(row)
         print(f"{str(tuple(shape)):20} {name:15} forward with grad {row['fwd_with_grad_us']:9.1f} us | backward step "
               f"{row['bwd_step_us']:9.1f} us", flush=True)

@@ -115,15 +115,12 @@ def _builder_lock(directory: str):
     except ImportError:  # no flock (Windows): torch's lock alone, as torch has it
         yield
         return
-    with open(os.path.join(directory, "jaxattn_build.flock"), "a+") as handle:
+    with open(os.path.join(directory, "jaxattn_build.flock"), "a+") as handle:  # closing it unlocks
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            stale = os.path.join(directory, "lock")
-            if os.path.exists(stale):
-                os.remove(stale)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        stale = os.path.join(directory, "lock")
+        if os.path.exists(stale):
+            os.remove(stale)
+        yield
 
 
 def enabled() -> bool:
