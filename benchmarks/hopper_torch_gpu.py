@@ -2,7 +2,8 @@
 same drop-in on the Triton kernels and torch's own SDPA backends (cuDNN, flash), in one process.
 
     python benchmarks/hopper_torch_gpu.py [--out hopper_torch.json] [--quick | --targets | --head-dim-64 | --features]
-                                          [--edges | --backward-step] [--rows 'jaxattn hopper,torch cudnn']
+                                          [--edges | --backward-step | --head-dim-256]
+                                          [--rows 'jaxattn hopper,torch cudnn']
                                           [--rounds 3]
 
 Rows, causal bf16 at head dim 128 unless noted, each timed forward only (no grad) and forward +
@@ -18,6 +19,7 @@ Then head dim 64, GQA at head dim 64, and lengths that are not whole tiles. And 
 (2,16,8192,128): the forward kernel with a soft cap, sinks, or a causal window covering every key,
 against the plain causal kernel (as_torch_kernel directly); forward + backward through `hopper_flash`
 with a soft cap or windows.
+`--head-dim-256` times the forward alone at head dim 256 (the Hopper kernels have no backward there).
 `--backward-step` times a training step's parts at the target shapes instead: the forward with gradients
 and the backward step alone, ours against cuDNN, and our backward step on the Python path split into
 its operands pass, kernel and results pass (CUDA events around each), with what lies outside them.
@@ -58,6 +60,9 @@ SHAPES_64 = [(1, 16, 16384, 64), (1, 16, 8192, 64), (4, 16, 4096, 64), (16, 16, 
 GQA_SHAPES_64 = [(2, 32, 8, 4096, 64), (1, 32, 8, 8192, 64)]
 EDGE_SHAPES = [(2, 16, 8000, 128), (1, 16, 8000, 64), (4, 16, 2056, 128)]
 FEATURE_SHAPE = (2, 16, 8192, 128)
+# Head dim 256, forward only: lengths from 1k to 16k, and Gemma 2 9B's 16 query / 8 KV heads.
+SHAPES_256 = [(1, 8, 16384, 256), (2, 8, 8192, 256), (4, 8, 4096, 256), (8, 8, 2048, 256), (16, 8, 1024, 256),
+              (2, 16, 8, 4096, 256)]
 
 
 def flops(b, h, l, d, causal):
@@ -98,11 +103,11 @@ ROWS = {"jaxattn hopper": drop_in(True), "jaxattn triton": drop_in(False),
 DEFAULT_ROWS = ("jaxattn hopper", "jaxattn triton", "torch cudnn", "torch flash")
 
 
-def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3):
+def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3, train_too=True):
     """One shape, (B, H, L, D) or with GQA (B, Hq, Hk, L, D), through the rows `names`. The rows are
     timed in turn, `rounds` times (so that a drift of the GPU's clock over the run lands on every
     row alike); each row reports its median, and "jaxattn hopper" its per-round ratios to "torch
-    cudnn" (paired: the two timed back to back)."""
+    cudnn" (paired: the two timed back to back). `train_too` False: the forward alone."""
     b, h, hk, l, d = shape if len(shape) == 5 else (*shape[:2], *shape[1:])
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, cot = (torch.randn(b, heads, l, d, generator=gen, device="cuda", dtype=dtype) for heads in (h, hk, hk, h))
@@ -114,7 +119,7 @@ def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3):
     for name in names:
         fn = ROWS[name]
         row = found[name] = dict(shape=list(shape), causal=causal, dtype=str(dtype).split(".")[-1], row=name,
-                                 fwd_rounds=[], fwd_bwd_rounds=[])
+                                 fwd_rounds=[], **(dict(fwd_bwd_rounds=[]) if train_too else {}))
         try:
             with torch.no_grad():
                 row["max_abs_err"] = (fn(q, k, v, causal)[:1].float() - want).abs().max().item()
@@ -132,13 +137,17 @@ def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3):
     for _ in range(rounds):
         for name, (forward, train) in timers.items():
             found[name]["fwd_rounds"].append(round(time_torch(forward, iters=10, repeats=3), 1))
-            found[name]["fwd_bwd_rounds"].append(round(time_torch(train, iters=5, repeats=3), 1))
+            if train_too:
+                found[name]["fwd_bwd_rounds"].append(round(time_torch(train, iters=5, repeats=3), 1))
     f = flops(b, h, l, d, causal)
+    keys = ("fwd", "fwd_bwd") if train_too else ("fwd",)
     for name, row in found.items():
         if "error" not in row:
-            row["fwd_us"], row["fwd_bwd_us"] = (statistics.median(row[key]) for key in ("fwd_rounds", "fwd_bwd_rounds"))
+            row["fwd_us"] = statistics.median(row["fwd_rounds"])
             row["fwd_tflops"] = f / row["fwd_us"] / 1e6
-            row["fwd_bwd_tflops"] = 3.5 * f / row["fwd_bwd_us"] / 1e6
+            if train_too:
+                row["fwd_bwd_us"] = statistics.median(row["fwd_bwd_rounds"])
+                row["fwd_bwd_tflops"] = 3.5 * f / row["fwd_bwd_us"] / 1e6
         rows.append(row)
         print(format_row(row), flush=True)
     theirs = found.get("torch cudnn")
@@ -146,12 +155,12 @@ def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3):
         ours = found.get(name)
         if not (ours and theirs and "error" not in ours and "error" not in theirs):
             continue
-        for key in ("fwd", "fwd_bwd"):
+        for key in keys:
             ratios = sorted(t / o for o, t in zip(ours[f"{key}_rounds"], theirs[f"{key}_rounds"]))
             ours[f"{key}_vs_cudnn"] = dict(median=statistics.median(ratios), low=ratios[0], high=ratios[-1])
         print(f"{'':20} {name[len('jaxattn '):]} / cudnn, paired by round: " + " | ".join(
-            f"{key} {r['median']:.2f}x [{r['low']:.2f}, {r['high']:.2f}]"
-            for key, r in (("fwd", ours["fwd_vs_cudnn"]), ("fwd+bwd", ours["fwd_bwd_vs_cudnn"]))), flush=True)
+            f"{key.replace('_', '+')} {ours[f'{key}_vs_cudnn']['median']:.2f}x [{ours[f'{key}_vs_cudnn']['low']:.2f}, "
+            f"{ours[f'{key}_vs_cudnn']['high']:.2f}]" for key in keys), flush=True)
 
 
 def feature_costs(rows):
@@ -312,8 +321,9 @@ def format_row(row):
     head = f"{str(tuple(row['shape'])):20} {row['dtype']:8} {'causal' if row['causal'] else 'full':6} {row['row']:15}"
     if "error" in row:
         return f"{head} FAILED {row['error']}"
-    return (f"{head} fwd {row['fwd_us']:9.1f} us {row['fwd_tflops']:6.1f} TF | fwd+bwd {row['fwd_bwd_us']:9.1f} us "
-            f"{row['fwd_bwd_tflops']:6.1f} TF | err {row['max_abs_err']:.1e}{'  <-- ERROR' if row['max_abs_err'] > 3e-2 else ''}")
+    train = (f"fwd+bwd {row['fwd_bwd_us']:9.1f} us {row['fwd_bwd_tflops']:6.1f} TF | " if "fwd_bwd_us" in row else "")
+    return (f"{head} fwd {row['fwd_us']:9.1f} us {row['fwd_tflops']:6.1f} TF | {train}"
+            f"err {row['max_abs_err']:.1e}{'  <-- ERROR' if row['max_abs_err'] > 3e-2 else ''}")
 
 
 #: The issue's target shapes, causal bf16 (`--targets`).
@@ -331,6 +341,7 @@ def main():
     which.add_argument("--backward-step", action="store_true",
                        help="the target shapes' training step in parts: the forward with gradients, the backward "
                             "step, and ours on the Python path split into its passes and kernel")
+    which.add_argument("--head-dim-256", action="store_true", help="head dim 256, the forward alone")
     which.add_argument("--edges", action="store_true",
                        help="the lengths that are not whole tiles only, padded and in place (calls.HOPPER_TMA_EDGES)")
     parser.add_argument("--rows", default=None,
@@ -353,8 +364,8 @@ def main():
     print("compiled programs:", triton_program.wait(600), flush=True)
     rows = []
 
-    def run(shape, causal=True, dtype=torch.bfloat16):
-        measure(shape, causal, dtype, rows, names=names, rounds=args.rounds)
+    def run(shape, causal=True, dtype=torch.bfloat16, train_too=True):
+        measure(shape, causal, dtype, rows, names=names, rounds=args.rounds, train_too=train_too)
 
     if args.features:
         feature_costs(rows)
@@ -370,6 +381,10 @@ def main():
     elif args.edges:
         for shape in EDGE_SHAPES:
             run(shape)
+    elif args.head_dim_256:
+        for shape in SHAPES_256:
+            run(shape, train_too=False)
+        run(SHAPES_256[1], causal=False, train_too=False)
     elif args.quick:
         run(SHAPES[0])
     else:

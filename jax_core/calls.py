@@ -173,9 +173,11 @@ def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes
 # `softcap` a float or None. The tile settings, per head dim, are the ones measured fastest on an H100
 # (BENCHMARKS.md, "Hopper kernels"): at head dim 64 the forward's 256-key blocks halve the steps of a
 # walk whose products are small, and the backward's 128-row query blocks (its warpgroups splitting
-# dQ's rows) ran 8-12% faster than 64-row ones.
+# dQ's rows) ran 8-12% faster than 64-row ones. The head-dim-256 forward (no backward) has room for
+# 64-key blocks in two stages beside one Q/O tile per warpgroup (192 KiB).
 HOPPER_TILES = dict(
-    forward={64: dict(block_q=64, block_kv=256, stages=2), 128: dict(block_q=64, block_kv=128, stages=2)},
+    forward={64: dict(block_q=64, block_kv=256, stages=2), 128: dict(block_q=64, block_kv=128, stages=2),
+             256: dict(block_q=64, block_kv=64, stages=2)},
     backward={64: dict(block_q=128, block_kv=64, stages=2), 128: dict(block_q=64, block_kv=64, stages=2)},
 )
 #: Forward tiles for short key lengths, per head dim: (most keys, tiles). At head dim 64 a causal walk
@@ -195,6 +197,9 @@ def hopper_tiles(which: str, head_dim: int, kv_len: int) -> dict:
         most, tiles = HOPPER_FORWARD_SHORT[head_dim]
         if kv_len <= most:
             return tiles
+    if head_dim not in HOPPER_TILES[which]:
+        raise ValueError(f"head_dim={head_dim}: the Hopper {which} kernel runs head dims "
+                         f"{tuple(HOPPER_TILES[which])}; hint: use the Triton flash kernel")
     return HOPPER_TILES[which][head_dim]
 
 

@@ -4,8 +4,8 @@ Runs the Pallas Mosaic GPU kernels of `kernels/flash_fwd_mgpu.py` (forward: out 
 LSE) and `kernels/flash_bwd_mgpu.py` (backward: dQ, dK, dV in one kernel) as one differentiable
 function, `flash_hopper_attention`, with the tiles tuned per head dim and length (`calls.hopper_tiles`).
 
-Where: CUDA on an sm90 (Hopper) GPU, bf16/fp16, head dims 64 and 128 (equal q/k and v head dims),
-any lengths, GQA, causal in both alignments, sliding windows, a logits soft cap, one sink logit per
+Where: CUDA on an sm90 (Hopper) GPU, bf16/fp16, head dims 64 and 128, and 256 without gradients
+(equal q/k and v head dims), any lengths, GQA, causal in both alignments, sliding windows, a logits soft cap, one sink logit per
 query head, the LSE and gradients (the sinks' included). It is not in the automatic selection order
 (`registry.PRIORITIES`): it runs when asked for by name. Tests pass `interpret=` (Mosaic GPU's
 interpret-mode parameters) to `flash_hopper_attention` to run the same kernels on a CPU.
@@ -26,7 +26,9 @@ from .capabilities import AttentionInputs, Capabilities, device_multiprocessors
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
 
-HEAD_DIMS = (64, 128)
+#: Head dims of the forward kernel, and of the backward (a call that needs gradients).
+HEAD_DIMS = (64, 128, 256)
+BACKWARD_HEAD_DIMS = (64, 128)
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks", "lse",
                        "backward"})
 
@@ -137,6 +139,9 @@ class FlashHopper(AttentionImpl):
         if inputs.head_dim not in HEAD_DIMS:
             reasons.append(f"head_dim={inputs.head_dim}: the Hopper kernels take head dims {HEAD_DIMS} only "
                            "(use 'flash' for others)")
+        elif "backward" in inputs.features and inputs.head_dim not in BACKWARD_HEAD_DIMS:
+            reasons.append(f"head_dim={inputs.head_dim} with gradients: the Hopper backward takes head dims "
+                           f"{BACKWARD_HEAD_DIMS} only (use 'flash' to train at head dim {inputs.head_dim})")
         if inputs.value_head_dim != inputs.head_dim:
             reasons.append(f"value_head_dim={inputs.value_head_dim} != head_dim={inputs.head_dim}: the Hopper "
                            "kernels need equal head dims")

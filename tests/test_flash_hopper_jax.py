@@ -110,6 +110,24 @@ def test_value_and_gradients_against_float64_oracle(b, l, s, hq, hk, d, kw, dtyp
     _check(out, lse, grads, want, low, dtype, kw.get("softcap"), l)
 
 
+def test_head_dim_256_forward_against_float64_oracle_and_its_gradient_refused():
+    """Head dim 256 has the forward kernel only: out and LSE match the oracle; asking for gradients
+    raises, naming the head dim and the kernel to train with."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    b, l, s, hq, hk, d, dtype = 1, 97, 130, 2, 1, 256, jnp.bfloat16
+    q, k, v, do, dlse = _inputs(gen, b, l, s, hq, hk, d, dtype)
+    oracle_kw = dict(causal=True, alignment="bottom_right", scale=0.05)
+    want = _oracle(q, k, v, do, dlse, None, torch.float64, **oracle_kw)
+    low = _oracle(q, k, v, do, dlse, None, TORCH_DTYPES[dtype], **oracle_kw)
+    fn = functools.partial(flash_hopper_attention, scale=0.05, causal=True, diag_offset=s - l,
+                           interpret=interpret_params())
+    out, lse = fn(_jax(q, dtype), _jax(k, dtype), _jax(v, dtype))
+    assert_dtype_rule("out", from_bthd(_numpy(out)), want[0], low[0].double(), floor=4e-3)
+    assert_close_finite("lse", torch.from_numpy(_numpy(lse)).double(), want[1], tol=1e-5)
+    with pytest.raises(ValueError, match=r"head_dim=256: the Hopper backward kernel runs head dims \(64, 128\); hint: use the Triton flash"):
+        jax.grad(lambda q: fn(q, _jax(k, dtype), _jax(v, dtype))[0].astype(jnp.float32).sum())(_jax(q, dtype))
+
+
 def test_registered_implementation_runs_the_kernels(monkeypatch):
     """`attention(..., implementation="flash_hopper")` on a (B, H, T, D) call: the call's scale,
     bottom-right window and sinks reach the kernels (interpreted here; `compute` compiles for the GPU),
@@ -176,17 +194,21 @@ def test_name_and_alias_resolve():
 
 
 def test_supported_call_has_no_reasons_here():
-    """A bf16 head-dim-128 CUDA call with every declared feature: nothing against it on this machine
-    (a CPU, where no device check applies, or a Hopper GPU)."""
+    """A bf16 head-dim-128 CUDA call with every declared feature, and one at head dim 256 without
+    gradients: nothing against them on this machine (a CPU, where no device check applies, or a
+    Hopper GPU)."""
     features = dict(causal=True, causal_alignment="bottom_right", sliding_window=(64, -1), logits_soft_cap=3.0,
                     softmax_aux=object(), return_lse=True, backward=True)
     assert AttentionRegistry.get("flash_hopper").not_supported_reasons(_inputs_of(**features)) == []
+    del features["backward"]  # head dim 256: the forward only
+    assert AttentionRegistry.get("flash_hopper").not_supported_reasons(_inputs_of(d=256, **features)) == []
 
 
 @pytest.mark.parametrize("inputs, names", [
     (dict(platform="cpu", backend="cpu"), ["platform 'cpu'", "backend 'cpu'"]),
     (dict(backend="rocm"), ["backend 'rocm'"]),
     (dict(d=80), ["head_dim=80"]),
+    (dict(d=256, backward=True), ["head_dim=256 with gradients", "use 'flash' to train"]),
     (dict(dtype=jnp.float32), ["dtype float32"]),
     (dict(mask=object()), ["feature 'bool_mask'"]),
     (dict(bias=object(), dropout=True), ["feature 'bias'", "feature 'dropout'"]),

@@ -82,6 +82,7 @@ CASES = [
     pytest.param(1, 256, 128, 2, 2, 64, True, "bottom_right", 64, 2, jnp.float16, id="causal-br-l>s-empty"),
     pytest.param(1, 256, 384, 2, 2, 64, False, "top_left", 128, 2, jnp.float16, id="full-l<s-bkv128"),
     pytest.param(1, 128, 512, 4, 1, 128, True, "bottom_right", 128, 2, jnp.float16, id="causal-br-d128-mqa"),
+    pytest.param(1, 256, 320, 2, 1, 256, True, "bottom_right", 64, 2, jnp.bfloat16, id="causal-br-d256-gqa"),
 ]
 
 
@@ -164,6 +165,10 @@ PERSISTENT_CASES = [
                                           alignment="bottom_right", dtype=jnp.bfloat16, programs=3),
                  id="all-features-8-tiles-3-programs"),
     pytest.param(2, 384, 384, 2, 1, dict(causal=True, block_kv=128, programs=2), id="causal-bkv128-halves-2-programs"),
+    # Head dim 256: one Q/O slot per warpgroup (two do not fit beside the ring), freed at each tile's end.
+    pytest.param(2, 200, 230, 2, 1, dict(d=256, causal=True, alignment="bottom_right", window=(60, -1), softcap=3.0,
+                                          sinks=True, dtype=jnp.bfloat16, programs=3),
+                 id="d256-one-q-slot-8-tiles-3-programs"),
 ]
 
 
@@ -261,6 +266,9 @@ LOWERING_CASES = [
     pytest.param(dict(causal=False, sinks=True), id="sinks"),
     pytest.param(dict(causal=True, softcap=3.0, sinks=True, window=(9, 2)), id="all"),
     pytest.param(dict(causal=True, softcap=3.0, sinks=True, window=(9, 2), programs=3), id="all-persistent"),
+    pytest.param(dict(causal=True, d=256, block_kv=64), id="d256"),
+    pytest.param(dict(causal=True, softcap=3.0, sinks=True, window=(9, 2), programs=3, d=256, block_kv=64),
+                 id="d256-all-persistent"),
 ]
 
 
@@ -272,8 +280,9 @@ def test_lowers_for_hopper(kw, lengths):
     kw = dict(kw)
     sinks = jax.ShapeDtypeStruct((4,), jnp.float32) if kw.pop("sinks", False) else None
     l, s = lengths
-    q = jax.ShapeDtypeStruct((1, l, 4, 64), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((1, s, 2, 64), jnp.bfloat16)
+    d = kw.pop("d", 64)
+    q = jax.ShapeDtypeStruct((1, l, 4, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16)
 
     def forward(q, k, v, sinks):
         return flash_forward_mgpu(q, k, v, scale=0.1, sinks=sinks, **kw)
@@ -305,13 +314,16 @@ def test_a_kv_batch_that_does_not_divide_the_query_batch_is_rejected():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(d=80), r"head_dim=80: expected 64 or 128"),
+    (dict(d=80), r"head_dim=80: expected one of \(64, 128, 256\); hint: use the Triton flash kernel"),
     (dict(hk=3, hq=4), r"query heads 4, KV heads 3"),
     (dict(dtype=jnp.float32), r"q.dtype=float32: expected bfloat16 or float16"),
     (dict(l=0), r"query length L=0, key length S=256: expected both at least 1"),
     (dict(stages=1), r"stages=1: expected at least 2"),
     (dict(stages=3, d=128), r"stages=3, block_kv=128, head_dim=128: 229376 bytes of shared-memory buffers"),
-    (dict(stages=3, d=128, programs=1), r"262144 bytes .* or one tile per program \(programs=None\)"),
+    # a program walking several tiles falls back to one Q/O slot where two do not fit, not to an error
+    (dict(stages=3, d=128, programs=1), r"stages=3, block_kv=128, head_dim=128: 229376 bytes"),
+    (dict(d=256, block_kv=128), r"stages=2, block_kv=128, head_dim=256: 327680 bytes .*hint: fewer stages or a "
+                                r"smaller block_kv"),
     (dict(programs=0), r"programs=0: expected None \(one program per item of work\) or a positive int"),
     (dict(programs=2.0), r"programs=2.0: expected None"),
     (dict(scale=-1.0), r"scale=-1.0: expected a positive"),
@@ -358,7 +370,7 @@ def test_tiles_kernel_rejects_partial_tiles(l, s, kw, match):
 @pytest.mark.parametrize("kw", [pytest.param(dict(causal=True), id="causal"),
                                 pytest.param(dict(causal=True, softcap=3.0, window=(9, 2), sinks=True), id="all"),
                                 pytest.param(dict(causal=True, programs=132), id="persistent")])
-@pytest.mark.parametrize("d, block_kv", [(64, 128), (64, 256), (128, 128)])
+@pytest.mark.parametrize("d, block_kv", [(64, 128), (64, 256), (128, 128), (256, 64)])
 def test_tma_edges_lower_for_hopper(kw, d, block_kv):
     """With `tma_edges` the kernel takes lengths in 8-row tiles in place (L = 104, S = 136: its last
     query and key tiles run past them) and still lowers to one Mosaic GPU kernel; Mosaic GPU refuses

@@ -444,7 +444,8 @@ def test_persistent_grid_lowers_for_hopper(d, block_q, layout):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(d=80), r"head_dim=80: expected 64 or 128"),
+    (dict(d=80), r"head_dim=80: expected one of \(64, 128\)"),
+    (dict(d=256), r"head_dim=256: expected one of \(64, 128\); hint: use the Triton flash kernel"),
     (dict(hk=3, hq=4), r"query heads 4, KV heads 3"),
     (dict(dtype=jnp.float32), r"q.dtype=float32: expected bfloat16 or float16"),
     (dict(l=0), r"query length L=0, key length S=256: expected both at least 1"),

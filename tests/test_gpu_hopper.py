@@ -255,11 +255,13 @@ def test_compiled_drop_in_runs_the_hopper_kernels(monkeypatch, mode):
     (1, 16, 16, 4097, 4500, False, "BHLD"),  # partial tiles of 256 keys
     (1, 8, 8, 4096, 8192, True, "BHLD"),  # L < S, causal top-left: key blocks past the last row skipped
 ])
-def test_drop_in_runs_the_hopper_forward_at_head_dim_64(monkeypatch, dtype, b, hq, hk, l, s, causal, memory):
-    """Without gradients, head dim 64 takes the Hopper forward (256-key tiles)."""
+@pytest.mark.parametrize("d", [64, 256])
+def test_drop_in_runs_the_hopper_forward_without_gradients(monkeypatch, dtype, b, hq, hk, l, s, causal, memory, d):
+    """Without gradients, head dim 64 (256-key tiles) and head dim 256 (the forward kernel only) take
+    the Hopper forward."""
     taken = _count_hopper_calls(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
-    q, k, v = (_cuda_tensor(gen, b, h, t, 64, memory) for h, t in ((hq, l), (hk, s), (hk, s)))
+    q, k, v = (_cuda_tensor(gen, b, h, t, d, memory) for h, t in ((hq, l), (hk, s), (hk, s)))
     gqa = hq != hk
     with torch.no_grad(), sdpa_launcher("native"):
         out = scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=causal, enable_gqa=gqa)
@@ -269,8 +271,38 @@ def test_drop_in_runs_the_hopper_forward_at_head_dim_64(monkeypatch, dtype, b, h
         low, _ = _math(q, k, v, causal, dtype, gqa)
     err, torch_err = ((x.float() - want).abs().max().item() for x in (out, low))
     assert err <= 2 * torch_err + 1e-3, (err, torch_err)
-    for grad in (False, True):
-        assert not hopper_flash.hopper_reasons(q.to(dtype), k.to(dtype), v.to(dtype), FlashConfig(scale=0.125), grad)
+    args = (q.to(dtype), k.to(dtype), v.to(dtype), FlashConfig(scale=0.125))
+    assert not hopper_flash.hopper_reasons(*args, False)
+    assert bool(hopper_flash.hopper_reasons(*args, True)) == (d == 256)  # no Hopper backward at 256
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+@pytest.mark.parametrize("tma_edges", [False, True])
+@pytest.mark.parametrize("hq, hk, l, s, kw", [
+    (8, 2, 4097, 4161, dict(causal=True, window=(1000, 0), bottom_right=True, sinks=True)),
+    (8, 4, 4104, 2056, dict(softcap=30.0, causal=True)),  # L > S, 8-row tiles
+    (4, 4, 4096, 4096, dict(window=(700, 300))),  # whole tiles, two-sided window
+])
+def test_head_dim_256_forward_with_features_against_float64(monkeypatch, tma_edges, hq, hk, l, s, kw):
+    """The head-dim-256 forward (one Q/O slot per warpgroup, 64-key blocks) with windows, a soft cap,
+    sinks and edge lengths, padded or in place: out against the float64 reference under the 2x rule."""
+    monkeypatch.setattr(calls, "HOPPER_TMA_EDGES", tma_edges)
+    dtype, d = torch.bfloat16, 256
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+    q = torch.randn(1, hq, l, d, generator=gen, device="cuda", dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(1, hk, s, d, generator=gen, device="cuda", dtype=torch.float64).to(dtype) for _ in range(2))
+    sinks = torch.randn(hq, generator=gen, device="cuda") * 2 if kw.get("sinks") else None
+    window, softcap = kw.get("window"), kw.get("softcap")
+    cfg = FlashConfig(scale=d ** -0.5, causal=kw.get("causal", False),
+                      diag_offset=s - l if kw.get("bottom_right") else 0, window=window or (-1, -1), softcap=softcap)
+    with torch.no_grad():
+        out = hopper_flash.hopper_flash(q, k, v, cfg, grad=False, sinks=sinks)
+    rkw = dict(causal=cfg.causal, alignment="bottom_right" if kw.get("bottom_right") else "top_left", window=window,
+               softcap=softcap, scale=cfg.scale, sinks=None if sinks is None else sinks.double())
+    want, _ = reference(q.double(), k.double(), v.double(), **rkw)
+    low, _ = reference(q, k, v, dtype=dtype, **rkw)
+    floor = 2e-2 if softcap is not None else 4e-3
+    assert_dtype_rule("out", out.double(), want, low.double(), floor=floor)
 
 
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")

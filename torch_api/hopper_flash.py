@@ -1,7 +1,8 @@
 """The Hopper flash kernels (Pallas Mosaic GPU: `flash_fwd_mgpu`, `flash_bwd_mgpu`) launched from torch.
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
-sm90, bf16/fp16, head dim 64 or 128 (query and value), causal in either alignment or none, sliding
+sm90, bf16/fp16, head dim 64 or 128 (query and value; 256 without gradients: the forward kernel
+only), causal in either alignment or none, sliding
 windows, a logits soft cap, GQA, sinks (one logit per query head; eager calls), no bias, mask,
 dropout or packing, not inside CUDA graph capture (a first launch loads its module), and query and
 key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients;
@@ -76,7 +77,9 @@ HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
 #: 64), 128-133 / 132 at (16, 16, 1024, 64) (even: 2048 it was). With 128-key blocks over at most 2048
 #: keys (`calls.HOPPER_FORWARD_SHORT`; BENCHMARKS.md "Where the head-dim-128 backward waits"): 113 /
 #: 132 us at (16, 16, 1024, 64), and 122 / 124 in the run before, so 1024 at both head dims.
-HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 1024, 128: 1024}, train={64: 1024, 128: 1024})
+#: The head-dim-256 forward (BENCHMARKS.md "Head dim 256: the Hopper forward"): 185.5 / 228.7 us at (16, 8,
+#: 1024, 256).
+HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 1024, 128: 1024, 256: 1024}, train={64: 1024, 128: 1024})
 #: Smaller calls are host-bound on either path, and the Triton path's host time is the shorter.
 HOPPER_MIN_PAIRS_PROGRAM = 8 * 16 * 1024 * 1024
 #: Multiprocessors the interpreted kernels (CPU tensors, tests) take: a few, so that programs walk
@@ -86,7 +89,7 @@ _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
 #: Head dims of the kernels, forward only and with gradients.
-HOPPER_HEAD_DIMS = dict(forward=(64, 128), train=(64, 128))
+HOPPER_HEAD_DIMS = dict(forward=(64, 128, 256), train=(64, 128))
 #: jax_core features (`AttentionInputs.features`) the kernels take.
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks"})
 

@@ -68,8 +68,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
-from .flash_mgpu_checks import (batch_group, check_arrays, check_backward_operands, check_blocks, check_features,
-                                check_whole_tiles)
+from .flash_mgpu_checks import (BACKWARD_HEAD_DIMS, batch_group, check_arrays, check_backward_operands, check_blocks,
+                                check_features, check_whole_tiles)
 from .persistent_waves import DealtWork, Waves, waves
 
 LOG2E = math.log2(math.e)
@@ -142,7 +142,7 @@ def _check(q, k, v, do, lse_log2, delta, dq_accum, *, scale, diag_offset, window
            stages, row_tile=1):
     """Raises ValueError naming the argument, its value, what is expected and a hint. lse_log2 and
     delta have L rounded up to a multiple of `row_tile` rows."""
-    check_arrays(q, k, v)
+    check_arrays(q, k, v, head_dims=BACKWARD_HEAD_DIMS)
     check_backward_operands(q, do, lse_log2, delta, dq_accum, row_tile=row_tile)
     check_blocks(block_q, block_kv, stages)
     d = q.shape[3]

@@ -5,7 +5,7 @@ of `flash_bwd_mgpu.py`. Imports only JAX and uses Pallas Mosaic GPU APIs present
 0.11.
 
 Arrays, (batch, length, heads, head dim) as Mosaic GPU's TMA wants them:
-    q (B, L, Hq, D), k and v (B, S, Hk, D), bf16 or fp16, D 64 or 128, any L, S >= 1; query head h
+    q (B, L, Hq, D), k and v (B, S, Hk, D), bf16 or fp16, D 64, 128 or 256, any L, S >= 1; query head h
     reads KV head h // (Hq // Hk) (GQA). k and v may have a batch Bk dividing B instead, for a caller
     that folds (batch, head) pairs into the batch with GQA: query batch b then reads KV batch
     b // (B / Bk) (`flash_mgpu_checks.batch_group`). Returns out (B, L, Hq, D) in q's dtype and lse (B, Hq, L)
@@ -19,7 +19,9 @@ several in turn (`_Tiles`, dealt by `persistent_waves`):
       (two arrivals, one per compute warpgroup) say both have read it. The ring runs on from tile
       to tile, and Q has two slots per warpgroup: the next tile's Q and first key blocks load while
       the compute warpgroups finish the last tile and store its output, which one program per tile
-      leaves exposed (a tile's walk is short at 1-4k tokens: 1.08-1.37x faster there, H200).
+      leaves exposed (a tile's walk is short at 1-4k tokens: 1.08-1.37x faster there, H200). At
+      head dim 256 two slots do not fit beside the ring (`forward_q_slots`): the next Q loads once
+      the last O has been read out.
     * warpgroups 0 and 1 (compute) own block_q rows each: wgmma S = Q K^T, online softmax in
       registers (exp2, scale * log2(e) folded into one multiply), wgmma O += P V. A shared
       `turn` barrier makes them alternate, so one warpgroup's softmax overlaps the other's matmuls.
@@ -59,8 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
-from .flash_mgpu_checks import (batch_group, check_arrays, check_blocks, check_features, check_tiling,
-                                check_whole_tiles)
+from .flash_mgpu_checks import (FORWARD_HEAD_DIMS, batch_group, check_arrays, check_blocks, check_features,
+                                check_tiling, check_whole_tiles, forward_q_slots)
 from .persistent_waves import DealtWork, Waves, waves
 
 LOG2E = math.log2(math.e)
@@ -180,8 +182,8 @@ def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, batch
     dtype = q_ref.dtype
     block_q, block_kv = band.block_q, band.block_kv
     # A program walking several tiles loads the next tile's Q into a second slot while its last tile's
-    # O (written over that tile's Q) is still being stored.
-    q_slots = min(2, tiles.per_program)
+    # O (written over that tile's Q) is still being stored, where two fit.
+    q_slots = forward_q_slots(d, jnp.dtype(dtype).itemsize, block_q, block_kv, stages, tiles.per_program)
     # 128-byte rows (64 16-bit elements) in 128-byte swizzled tiles: the layout TMA writes and
     # wgmma reads without bank conflicts.
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -313,11 +315,12 @@ def _tiles(q_shape, block_q, programs):
 def _checked_band(q, k, v, *, scale, causal, diag_offset, window, softcap, sinks, block_q, block_kv, stages,
                   programs, per_batch_sinks=False):
     """(the checked arguments' band, all keys (kv_len = S) real, and their `_Tiles`)."""
-    check_arrays(q, k, v)
+    check_arrays(q, k, v, head_dims=FORWARD_HEAD_DIMS)
     check_blocks(block_q, block_kv, stages)
     tiles = _tiles(q.shape, block_q, programs)
-    check_tiling(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q, block_kv, stages,
-                 q_slots=min(2, tiles.per_program))
+    d, itemsize = q.shape[3], jnp.dtype(q.dtype).itemsize
+    check_tiling(d, itemsize, block_q, block_kv, stages,
+                 q_slots=forward_q_slots(d, itemsize, block_q, block_kv, stages, tiles.per_program))
     check_features(q.shape[2], scale=scale, diag_offset=diag_offset, window=window, softcap=softcap,
                    sinks=sinks, batch=q.shape[0] if per_batch_sinks else None)
     left, right = (-1, -1) if window is None else window
@@ -471,7 +474,8 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         def free_next_slot():
             """Once the last tile's O and LSE stores have read their slot, the memory warpgroup may load
             the next tile's Q there. Done at the end of this tile's first key block, not at its start:
-            the stores, issued just before, then have had a block's products to read."""
+            the stores, issued just before, then have had a block's products to read. (One slot: the
+            tile's own end frees it.)"""
             if q_slots == 1:
                 return
 
@@ -571,6 +575,13 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(rows, block_q)])
         if not on_gpu:
             plgpu.wait_smem_to_gmem(0)
+        if q_slots == 1:  # the next tile's Q goes where this O is: once the stores have read it
+
+            @pl.when(j + 1 < count)
+            def _():
+                if on_gpu:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(bars["q_free"].at[wg])
         return loaded + (program_end - program_start)
 
     lax.fori_loop(0, count, tile, jnp.int32(0))

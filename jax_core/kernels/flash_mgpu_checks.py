@@ -12,15 +12,19 @@ import numbers
 import jax.numpy as jnp
 
 COMPUTE_WGS = 2
+#: Head dims of the forward and of the backward (whose per-warpgroup dK and dV tiles at 256 would not
+#: fit beside the query-block rings).
+FORWARD_HEAD_DIMS = (64, 128, 256)
+BACKWARD_HEAD_DIMS = (64, 128)
 #: Shared memory one thread block may use on sm90, and what the kernel keeps free of its buffers.
 SMEM_BYTES = 232448
 SMEM_RESERVE = 4096
 
 
-def check_arrays(q, k, v):
-    """Layouts, dtypes and head counts of q (B, L, Hq, D), k and v (Bk, S, Hk, D): Bk = B, or Bk a
-    divisor of B where a caller folds (batch, head) pairs into the batch with GQA (query batch b reads
-    KV batch b // (B / Bk), `batch_group`)."""
+def check_arrays(q, k, v, *, head_dims):
+    """Layouts, dtypes and head counts of q (B, L, Hq, D), k and v (Bk, S, Hk, D), D one of `head_dims`
+    (the kernel's): Bk = B, or Bk a divisor of B where a caller folds (batch, head) pairs into the batch
+    with GQA (query batch b reads KV batch b // (B / Bk), `batch_group`)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name}.shape={x.shape}: expected (batch, length, heads, head_dim)")
@@ -37,8 +41,8 @@ def check_arrays(q, k, v):
     if l < 1 or k.shape[1] < 1:
         raise ValueError(f"query length L={l}, key length S={k.shape[1]}: expected both at least 1; "
                          "hint: skip the call for empty sequences")
-    if d not in (64, 128):
-        raise ValueError(f"head_dim={d}: expected 64 or 128; hint: use the Triton flash kernel")
+    if d not in head_dims:
+        raise ValueError(f"head_dim={d}: expected one of {head_dims}; hint: use the Triton flash kernel")
     if hq % k.shape[2]:
         raise ValueError(f"query heads {hq}, KV heads {k.shape[2]}: expected a multiple (GQA)")
 
@@ -59,18 +63,29 @@ def batch_group(q, k) -> int:
     return q.shape[0] // k.shape[0]
 
 
+def _forward_buffers(d, itemsize, block_q, block_kv, stages, q_slots):
+    """Bytes of the forward's Q/O tiles and K and V rings; barriers and Mosaic's own scratch take a few
+    KiB more (an H100 run of D=128, block_kv=128, stages=3: 229,888 bytes of buffers, 232,568 in all)."""
+    return itemsize * (q_slots * COMPUTE_WGS * block_q * d + 2 * stages * block_kv * d)
+
+
+def forward_q_slots(d, itemsize, block_q, block_kv, stages, tiles_per_program):
+    """Q/O tiles per compute warpgroup in the forward: two where a program walks several tiles and they
+    fit beside the rings (the next tile's Q loads while the last one's O is stored), else one (head dim
+    256: two would take 128 KiB)."""
+    two = tiles_per_program > 1 and _forward_buffers(d, itemsize, block_q, block_kv, stages, 2) <= SMEM_BYTES - SMEM_RESERVE
+    return 2 if two else 1
+
+
 def check_tiling(d, itemsize, block_q, block_kv, stages, q_slots=1):
     """The forward's tile sizes, pipeline depth and the shared memory they take, with `q_slots` Q/O
-    tiles per compute warpgroup (two where a program walks several tiles)."""
+    tiles per compute warpgroup (`forward_q_slots`)."""
     check_blocks(block_q, block_kv, stages)
-    # Q/O tiles and the K and V rings; barriers and Mosaic's own scratch take a few KiB more (an
-    # H100 run of D=128, block_kv=128, stages=3: 229,888 bytes of buffers, 232,568 in all).
-    buffers = itemsize * (q_slots * COMPUTE_WGS * block_q * d + 2 * stages * block_kv * d)
+    buffers = _forward_buffers(d, itemsize, block_q, block_kv, stages, q_slots)
     if buffers > SMEM_BYTES - SMEM_RESERVE:
         raise ValueError(f"stages={stages}, block_kv={block_kv}, head_dim={d}: {buffers} bytes of shared-memory "
                          f"buffers, expected at most {SMEM_BYTES - SMEM_RESERVE} (Hopper's {SMEM_BYTES} per block "
-                         f"less {SMEM_RESERVE} for barriers and scratch); hint: fewer stages or a smaller block_kv"
-                         + (", or one tile per program (programs=None)" if q_slots > 1 else ""))
+                         f"less {SMEM_RESERVE} for barriers and scratch); hint: fewer stages or a smaller block_kv")
 
 
 #: Rows of the 8-row tiles that Mosaic GPU's tiled, swizzled copies move between global and shared
