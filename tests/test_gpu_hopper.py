@@ -360,6 +360,55 @@ def test_compiled_programs_run_the_hopper_kernels(monkeypatch, hq, hk, d, memory
 
 
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+def test_head_dim_256_forward_runs_as_a_compiled_program_and_under_torch_compile(monkeypatch):
+    """Head dim 256 without gradients, at 1024 tokens (the compiled-program threshold): the first call
+    takes the Python path and registers the forward-only program, the second runs the program (the
+    same out bit for bit); torch.compile runs the `jaxattn::hopper_flash` op (from the Python path's
+    threshold, lowered to this length); all within the 2x rule of torch's float32 math. With gradients
+    the call is not the Hopper kernels'."""
+    from jaxattn.bridge import triton_program
+    from jaxattn.torch_api import hopper_program
+
+    monkeypatch.setenv(triton_program.ENV_SWITCH, "1")
+    assert triton_program.wait(600), triton_program.build_error()
+    monkeypatch.setattr(hopper_program, "_PROGRAMS", {})
+    launched = []
+    real = hopper_flash._FORWARD.launch
+    monkeypatch.setattr(hopper_flash._FORWARD, "launch", lambda t, st: launched.append(1) or real(t, st))
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+    b, hq, hk, l, d, dtype = 16, 8, 4, 1024, 256, torch.bfloat16
+    q, k, v = (_cuda_tensor(gen, b, h, l, d, "BLHD") for h in (hq, hk, hk))
+    q16, k16, v16 = (x.to(dtype) for x in (q, k, v))
+    cfg = FlashConfig(scale=d ** -0.5, causal=True)
+    assert hopper_flash.hopper_reasons(q16, k16, v16, cfg, False) == []
+    assert any("with gradients" in r for r in hopper_flash.hopper_reasons(q16, k16, v16, cfg, True))
+
+    def call(q, k, v):
+        return scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with torch.no_grad(), sdpa_launcher("native"):
+        first = call(q16, k16, v16)
+        assert len(launched) == 1 and len(hopper_program._PROGRAMS) == 1
+        second = call(q16, k16, v16)
+    assert len(launched) == 1, "the forward-only program did not run"
+    assert torch.equal(first, second)
+    torch._dynamo.reset()
+    # Compiled graphs take the Python path's threshold (4096: no program runs inside them): lowered here.
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 1024)
+    compiled = torch.compile(call, fullgraph=True)
+    with torch.no_grad(), sdpa_launcher("native"):
+        traced = compiled(q16, k16, v16)
+    assert len(launched) == 2, "the compiled call did not launch the Hopper forward"
+    with torch.no_grad():
+        want, _ = _math(q, k, v, True, torch.float32, True)
+        low, _ = _math(q, k, v, True, dtype, True)
+    torch_err = (low.float() - want).abs().max().item()
+    for name, got in (("program", second), ("torch.compile", traced)):
+        err = (got.float() - want).abs().max().item()
+        assert err <= 2 * torch_err + 1e-3, (name, err, torch_err)
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
 def test_calls_a_program_runs_take_the_hopper_kernels_from_shorter_lengths(monkeypatch):
     """Below `HOPPER_MIN_LENGTH` the kernels run where a compiled program would (whole tiles, inputs read
     in place, programs on, enough work): 1024 tokens, forward only or with gradients; a partial tile,
