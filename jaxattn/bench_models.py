@@ -3,6 +3,7 @@
     jaxattn bench --models --out docs/bench          # the GPU run (about 3 minutes on an H100)
     jaxattn bench --models --models-size tiny        # a 2-layer model, seconds on a CPU (float32)
     jaxattn bench --models --models-size long        # head dim 128 at 8k and 16k tokens (the Hopper kernels)
+    jaxattn bench --models --models-size wide        # head dim 256 at 4k and 8k tokens (the Hopper forward)
     jaxattn bench --models --profile                 # + kernel times of one step of each train/prefill cell
 
 Models are built from `transformers.LlamaConfig` with random weights (nothing is downloaded), in
@@ -45,7 +46,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-SIZES = ("tiny", "full", "long")
+SIZES = ("tiny", "full", "long", "wide")
 IMPLS = ("sdpa", "jaxattn")  # the two columns; "jaxattn" is whatever name register_transformers returned
 MODES = ("train", "prefill", "generate-dynamic", "generate-static", "small-fwd", "small-fwd+bwd")
 #: Kernel names (lower case) containing one of these count as attention kernels in --profile.
@@ -97,7 +98,7 @@ class Plan:
     """What a run measures and how long it times each cell.
 
     Attributes:
-        size: "tiny", "full" or "long".
+        size: "tiny", "full", "long" or "wide".
         dtype: torch dtype name of the models and the small calls.
         models: run in order, one at a time.
         prompt_len, new_tokens: generate cells: a (B, prompt_len) prompt, new_tokens greedy tokens.
@@ -121,8 +122,8 @@ class Plan:
 
 
 def plan(size: str, device: str) -> Plan:
-    """The "tiny" (CPU test), "full" (GPU report) or "long" (head dim 128, long sequences) plan; bfloat16 on
-    CUDA, float32 elsewhere."""
+    """The "tiny" (CPU test), "full" (GPU report), "long" (head dim 128, long sequences) or "wide" (head dim
+    256) plan; bfloat16 on CUDA, float32 elsewhere."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     if size == "tiny":
         tiny = ModelSpec("tiny", 64, 2, 4, 2, 128, 128, cases=((2, 32),), generate_batches=(1, 2))
@@ -138,6 +139,11 @@ def plan(size: str, device: str) -> Plan:
         # Hopper kernels (`torch_api.hopper_flash`) run on an H100.
         c = ModelSpec("C", 2048, 16, 16, 8, 5632, 32000, cases=((1, 8192), (1, 16384)))
         return Plan("long", dtype, (c,), prompt_len=128, new_tokens=32)
+    if size == "wide":
+        # Head dim 256 (as Gemma 2 and 3): the Hopper forward runs its prefill on sm90; training, which has
+        # no Hopper backward at this head dim, stays on the Triton kernels.
+        d = ModelSpec("D", 2048, 16, 8, 4, 5632, 32000, cases=((2, 4096), (1, 8192)))
+        return Plan("wide", dtype, (d,), prompt_len=128, new_tokens=32)
     raise ValueError(f"size={size!r}: expected one of {SIZES}.")
 
 
@@ -649,7 +655,7 @@ def run_models(size: Optional[str] = None, *, device: Optional[str] = None, impl
     """Runs the model benchmark; returns {"header": {...}, "cells": [...]} (the models.json content).
 
     Args:
-        size: "tiny", "full" or "long" (`plan`); default "full" on CUDA, "tiny" otherwise.
+        size: "tiny", "full", "long" or "wide" (`plan`); default "full" on CUDA, "tiny" otherwise.
         device: "cuda" or "cpu"; default cuda when torch sees a GPU.
         implementation: a jaxattn implementation name forced for the jaxattn column (registered
             as attn_implementation "jaxattn_forced"); None: jaxattn's automatic selection ("jaxattn").
@@ -816,7 +822,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="whole Llama models (random weights): transformers' sdpa against jaxattn's plug-in, "
                             "train / prefill / generate; writes models.json and models.md to --out")
     group.add_argument("--models-size", choices=SIZES, help="full: 2 models, bf16 (default on CUDA); long: one head-dim-128 "
-                       "model at 8k and 16k tokens; tiny: a 2-layer model (default elsewhere); --quick/--full do not "
+                       "model at 8k and 16k tokens; wide: one head-dim-256 model at 4k and 8k tokens; tiny: a 2-layer model (default elsewhere); --quick/--full do not "
                        "apply to --models")
     group.add_argument("--implementation", type=_implementation_arg, metavar="NAME",
                        help="force this jaxattn implementation (registered as attn_implementation 'jaxattn_forced'); "
