@@ -5,9 +5,9 @@ LSE) and `kernels/flash_bwd_mgpu.py` (backward: dQ, dK, dV in one kernel) as one
 function, `flash_hopper_attention`, with the tiles tuned per head dim and length (`calls.hopper_tiles`).
 
 Where: CUDA on an sm90 (Hopper) GPU, bf16/fp16, head dims 64 and 128, and 256 without gradients
-(equal q/k and v head dims), any lengths, GQA, causal in both alignments, sliding windows, a logits soft cap, one sink logit per
-query head, the LSE and gradients (the sinks' included). It is not in the automatic selection order
-(`registry.PRIORITIES`): it runs when asked for by name. Tests pass `interpret=` (Mosaic GPU's
+(equal q/k and v head dims), any lengths, GQA, causal in both alignments, sliding windows, a logits
+soft cap, one sink logit per query head, the LSE and gradients (the sinks' included). It is not in
+the automatic selection order (`registry.PRIORITIES`): it runs when asked for by name. Tests pass `interpret=` (Mosaic GPU's
 interpret-mode parameters) to `flash_hopper_attention` to run the same kernels on a CPU.
 """
 
@@ -23,12 +23,10 @@ import jax.numpy as jnp
 from .base import AttentionImpl, AttentionOutput
 from .call import AttentionCall, CallArrays
 from .capabilities import AttentionInputs, Capabilities, device_multiprocessors
+from .kernels.flash_mgpu_checks import BACKWARD_HEAD_DIMS, FORWARD_HEAD_DIMS
 from .metadata import AttentionMetadata
 from .registry import AttentionRegistry
 
-#: Head dims of the forward kernel, and of the backward (a call that needs gradients).
-HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 128)
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks", "lse",
                        "backward"})
 
@@ -123,7 +121,7 @@ class FlashHopper(AttentionImpl):
     """The Pallas Mosaic GPU flash kernels on Hopper; see the module docstring."""
 
     capabilities = Capabilities(platforms=frozenset({"gpu"}), dtypes=frozenset({"float16", "bfloat16"}),
-                                features=_FEATURES, max_head_dim=max(HEAD_DIMS))
+                                features=_FEATURES, max_head_dim=max(FORWARD_HEAD_DIMS))
     layouts = frozenset({"BTHD", "BHTD"})
 
     @classmethod
@@ -136,8 +134,8 @@ class FlashHopper(AttentionImpl):
         if inputs.backend != "cuda":
             reasons.append(f"backend {inputs.backend!r}: the Hopper kernels are Pallas Mosaic GPU, NVIDIA CUDA "
                            "only (use 'flash' or 'sdpa' elsewhere)")
-        if inputs.head_dim not in HEAD_DIMS:
-            reasons.append(f"head_dim={inputs.head_dim}: the Hopper kernels take head dims {HEAD_DIMS} only "
+        if inputs.head_dim not in FORWARD_HEAD_DIMS:
+            reasons.append(f"head_dim={inputs.head_dim}: the Hopper kernels take head dims {FORWARD_HEAD_DIMS} only "
                            "(use 'flash' for others)")
         elif "backward" in inputs.features and inputs.head_dim not in BACKWARD_HEAD_DIMS:
             reasons.append(f"head_dim={inputs.head_dim} with gradients: the Hopper backward takes head dims "

@@ -47,6 +47,7 @@ from ..bridge.mosaic_op import MosaicOp
 from ..bridge.triton_launch import KernelLaunch
 from ..jax_core import AttentionInputs, calls
 from ..jax_core.kernels import flash_plan
+from ..jax_core.kernels.flash_mgpu_checks import BACKWARD_HEAD_DIMS, FORWARD_HEAD_DIMS
 from ..jax_core.kernels.flash_plan import FlashConfig, Operand
 
 from . import hopper_program
@@ -89,7 +90,7 @@ _FORWARD = MosaicKernel(calls.flash_hopper)
 _BACKWARD = MosaicKernel(calls.flash_hopper_backward)
 _LOG2E = 1.4426950408889634
 #: Head dims of the kernels, forward only and with gradients.
-HOPPER_HEAD_DIMS = dict(forward=(64, 128, 256), train=(64, 128))
+HOPPER_HEAD_DIMS = dict(forward=FORWARD_HEAD_DIMS, train=BACKWARD_HEAD_DIMS)
 #: jax_core features (`AttentionInputs.features`) the kernels take.
 _FEATURES = frozenset({"causal", "causal_bottom_right", "gqa", "sliding_window", "softcap", "sinks"})
 

@@ -73,8 +73,8 @@ def forward_q_slots(d, itemsize, block_q, block_kv, stages, tiles_per_program):
     """Q/O tiles per compute warpgroup in the forward: two where a program walks several tiles and they
     fit beside the rings (the next tile's Q loads while the last one's O is stored), else one (head dim
     256: two would take 128 KiB)."""
-    two = tiles_per_program > 1 and _forward_buffers(d, itemsize, block_q, block_kv, stages, 2) <= SMEM_BYTES - SMEM_RESERVE
-    return 2 if two else 1
+    fits = _forward_buffers(d, itemsize, block_q, block_kv, stages, 2) <= SMEM_BYTES - SMEM_RESERVE
+    return 2 if tiles_per_program > 1 and fits else 1
 
 
 def check_tiling(d, itemsize, block_q, block_kv, stages, q_slots=1):
