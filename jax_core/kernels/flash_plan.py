@@ -174,14 +174,17 @@ def bwd_tiles(d: int, dtype_bytes: int) -> tuple[Tile, Tile]:
 
     From a one-off sweep (`benchmarks/flash_bwd_tiles.py`, removed from the tree; last in 568a808)
     on an H100 (bf16, causal, L=8192): 64x64 tiles with 4 warps for both kernels at D=128
-    (393 TFLOP/s fwd+bwd, against 202 with 8 warps), 8 warps for dK/dV at D=256 (246 TFLOP/s,
-    against 114 with 32x32 tiles). fp32 keeps 4 warps and smaller tiles
-    (Triton 3.6 miscompiles some fp32 tiles with 8 warps on Hopper; shared memory is doubled).
+    (393 TFLOP/s fwd+bwd, against 202 with 8 warps). Above D=128 the dK/dV kernel takes 32 keys per
+    program with 4 warps: forward + backward at (1, 8/4, 8192, 256) and (2, 8/4, 4096, 256) causal
+    bf16 on an H200, 3207 / 1905 µs against 3720 / 2153 with 64 keys and 8 warps (the H100 sweep's
+    choice), the gradients equal to the bit; 16 keys, 2 warps, 1 or 3 stages and other dQ tiles were
+    slower (BENCHMARKS.md "Head dim 256"). fp32 keeps 4 warps and smaller tiles (Triton 3.6
+    miscompiles some fp32 tiles with 8 warps on Hopper; shared memory is doubled).
     """
     if dtype_bytes >= 4:
         block = 64 if d <= 64 else 32
         return (block, block, 4, 2), (block, block, 4, 2)
-    return (64, 64, 4 if d <= 128 else 8, 2), (64, 64, 4, 2)
+    return ((64, 64, 4, 2) if d <= 128 else (64, 32, 4, 2)), (64, 64, 4, 2)
 
 
 def forward_tile(call: FlashCall, cfg: FlashConfig) -> Tile:
