@@ -2,7 +2,7 @@
 per item against its persistent grid, the backward by GQA head splits, and the head-dim-64 forward by
 key-block size, each against torch's cuDNN backend in the same process where it applies.
 
-    python benchmarks/hopper_kernels_gpu.py [--out hopper_kernels.json] [--part grids|splits|forward-tiles]
+    python benchmarks/hopper_kernels_gpu.py [--out hopper_kernels.json] [--part grids|splits|forward-tiles|forward-wgs]
     python benchmarks/hopper_kernels_gpu.py --part variant --variant my_flash_bwd_mgpu.py [--rounds 5]
 
 Rows, causal bf16:
@@ -13,6 +13,9 @@ Rows, causal bf16:
       by splits, at GQA shapes (`calls.HOPPER_BACKWARD_MIN_ITEMS`);
     * "forward-tiles": the forward on the persistent grid by (block_kv, stages), head dims 64 and 128
       at short lengths (`calls.HOPPER_FORWARD_SHORT`);
+    * "forward-wgs": the head-dim-64 forward on the persistent grid by compute warpgroups per program
+      (tiles of 2 or 3 x 64 query rows), key block and stages, lengths read in place (`tma_edges`),
+      and torch cuDNN's forward;
     * "variant": the backward as is against a modified copy of `flash_bwd_mgpu.py` (`--variant`, loaded
       as a module of the same package), both on the persistent grid with the tuned tiles and head
       splits, and torch cuDNN's backward, at the "grids" shapes; or, for a copy of
@@ -186,6 +189,27 @@ def forward_tiles(rows):
         print(f"{shape}: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items()), flush=True)
 
 
+# The head-dim-64 forward by compute warpgroups per program (tiles of 2 or 3 x 64 query rows), key
+# block and stages.
+WGS_SHAPES = [(16, 1024, 16, 64), (8, 2048, 16, 64), (4, 4096, 16, 64), (1, 8192, 16, 64), (1, 16384, 16, 64)]
+WGS_TILES = [(2, 128, 2), (2, 256, 2), (3, 128, 2), (3, 128, 3), (3, 128, 4)]
+
+
+def forward_wgs(rows):
+    for shape in WGS_SHAPES:
+        b, l, h, d = shape
+        fns = forward_fns(shape, {f"wgs={wgs} block_kv={block_kv} stages={stages}": (
+            flash_forward_mgpu_tiles, dict(block_q=64, block_kv=block_kv, stages=stages, compute_wgs=wgs,
+                                           tma_edges=True)) for wgs, block_kv, stages in WGS_TILES})
+        result = timed(fns, causal_flops(b, h, l, d))
+        cudnn = cudnn_forward_us(b, l, h, d)
+        rows.append(dict(part="forward-wgs", shape=list(shape), chosen=calls.hopper_tiles("forward", d, l),
+                         cudnn_us=cudnn,
+                         variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()}))
+        print(f"{shape}: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items())
+              + f" | cudnn {cudnn:.1f} us", flush=True)
+
+
 # Forward variants: (B, L, H, D) causal, and the tiles each is timed with beside the tuned ones.
 FORWARD_VARIANT_SHAPES = [(1, 16384, 16, 128), (2, 8192, 16, 128), (8, 1024, 16, 128), (4, 4096, 16, 64),
                           (16, 1024, 16, 64), (1, 8192, 16, 64)]
@@ -242,7 +266,8 @@ def forward_variant(rows, path, module):
               + f" | cudnn {cudnn:.1f} us", flush=True)
 
 
-PARTS = {"grids": grids, "splits": splits, "forward-tiles": forward_tiles, "variant": variant}
+PARTS = {"grids": grids, "splits": splits, "forward-tiles": forward_tiles, "forward-wgs": forward_wgs,
+         "variant": variant}
 
 
 def main():

@@ -185,12 +185,16 @@ HOPPER_TILES = dict(
 #: on the masked diagonal. Forward alone on the persistent grid, causal bf16, H200 (BENCHMARKS.md
 #: "The backward's persistent grid; head dim 64: 128-key blocks for short walks"), 256- / 128-key
 #: blocks: 128.5 / 117.6 us at (16, 16, 1024, 64), 197.5 / 196.3 at (8, 16, 2048, 64), 345.5 / 354.6
-#: at (4, 16, 4096, 64).
-HOPPER_FORWARD_SHORT = {64: (2048, dict(block_q=64, block_kv=128, stages=2))}
+#: at (4, 16, 4096, 64). There, three compute warpgroups (192-row tiles) against two, 128-key blocks,
+#: two runs (BENCHMARKS.md "Three compute warpgroups"): 118.5 / 121.1 and 115.7 / 117.3 us at (16, 16,
+#: 1024, 64), 198.3 / 214.2 and 179.6 / 194.0 at (8, 16, 2048, 64); at 4096 and beyond they are no
+#: better than two with 256-key blocks (345.6 / 337.7 us at (4, 16, 4096, 64)).
+HOPPER_FORWARD_SHORT = {64: (2048, dict(block_q=64, block_kv=128, stages=3, compute_wgs=3))}
 
 
 def hopper_tiles(which: str, head_dim: int, kv_len: int) -> dict:
-    """The Hopper kernel's tiles (block_q, block_kv, stages) for `which` ("forward" or "backward") at
+    """The Hopper kernel's tiles (block_q, block_kv, stages, and the forward's compute_wgs where not
+    2) for `which` ("forward" or "backward") at
     `head_dim` over `kv_len` keys, padded or not (the choice is the same either way: a short length
     pads to at most its bound)."""
     if which == "forward" and head_dim in HOPPER_FORWARD_SHORT:
@@ -204,7 +208,8 @@ def hopper_tiles(which: str, head_dim: int, kv_len: int) -> dict:
 
 
 #: Programs per multiprocessor of the Hopper forward's persistent grid (0: one program per tile). One
-#: program fills a multiprocessor: three warpgroups, the compute ones at 232 registers a thread.
+#: program fills a multiprocessor: three warpgroups, the compute ones at 232 registers a thread (or
+#: four, three of them computing at 160).
 HOPPER_FORWARD_PROGRAMS_PER_SM = 1
 
 
@@ -286,7 +291,8 @@ def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool, tma_edg
     else:
         from .kernels.flash_fwd_mgpu import padded_lengths
     tiles = hopper_tiles("backward" if backward else "forward", head_dim, s)
-    return padded_lengths(l, s, block_q=tiles["block_q"], block_kv=tiles["block_kv"])
+    rows = {} if backward else dict(compute_wgs=tiles.get("compute_wgs", 2))  # the forward's tile rows
+    return padded_lengths(l, s, block_q=tiles["block_q"], block_kv=tiles["block_kv"], **rows)
 
 
 def flash_hopper(query, key, value, sinks=None, *, scale, causal, diag_offset, window=None, softcap=None,

@@ -99,7 +99,7 @@ def test_against_float64_oracle(b, l, s, hq, hk, d, causal, alignment, block_kv,
 
 
 def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
-                  block_kv=64, stages=2, dtype=jnp.float16, d=64, programs=None):
+                  block_kv=64, stages=2, dtype=jnp.float16, d=64, programs=None, compute_wgs=2):
     """Runs the kernel on fresh inputs with the features given and checks it against the oracle;
     returns the rows that see no key."""
     rng = np.random.default_rng()
@@ -108,7 +108,7 @@ def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window
     scale = 0.8 / d ** 0.5
     diag_offset = s - l if alignment == "bottom_right" else 0
     out, lse = _run(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
-                    sinks=sink_logits, block_kv=block_kv, stages=stages, programs=programs)
+                    sinks=sink_logits, block_kv=block_kv, stages=stages, programs=programs, compute_wgs=compute_wgs)
     assert out.shape == (b, l, hq, d) and lse.shape == (b, hq, l)
     return _check(q, k, v, out, lse, scale=scale, causal=causal, alignment=alignment, window=window,
                   softcap=softcap, sinks=sink_logits)
@@ -124,6 +124,9 @@ FEATURE_CASES = [
                  id="edge-1x300-causal-br-bf16"),
     pytest.param(2, 200, 70, 2, 2, dict(causal=True, alignment="bottom_right"), id="edge-200x70-causal-br-empty"),
     pytest.param(1, 97, 130, 2, 1, dict(causal=True, block_kv=128, stages=3), id="edge-97x130-causal-bkv128"),
+    pytest.param(1, 70, 200, 2, 2, dict(causal=True, compute_wgs=3), id="edge-70x200-three-wgs-two-idle"),
+    pytest.param(1, 200, 70, 2, 2, dict(causal=True, alignment="bottom_right", compute_wgs=3),
+                 id="edge-200x70-three-wgs-causal-br-empty"),
     # 128-key blocks: a warpgroup whose last block it sees only the first half of walks that half
     pytest.param(1, 256, 256, 2, 1, dict(causal=True, block_kv=128), id="causal-bkv128-halves"),
     pytest.param(1, 200, 330, 2, 2, dict(window=(90, 20), alignment="bottom_right", softcap=3.0, sinks=True,
@@ -169,6 +172,12 @@ PERSISTENT_CASES = [
     pytest.param(2, 200, 230, 2, 1, dict(d=256, causal=True, alignment="bottom_right", window=(60, -1), softcap=3.0,
                                           sinks=True, dtype=jnp.bfloat16, programs=3),
                  id="d256-one-q-slot-8-tiles-3-programs"),
+    # Three compute warpgroups (192-row tiles, the turn passed round as a token): a tile whose last
+    # warpgroups hold only padded rows walks nothing for them; 128-key blocks halve some last blocks.
+    pytest.param(2, 200, 330, 4, 2, dict(compute_wgs=3, causal=True, alignment="bottom_right", block_kv=128,
+                                          programs=3), id="three-wgs-causal-br-gqa-3-programs"),
+    pytest.param(1, 400, 300, 2, 1, dict(compute_wgs=3, window=(60, 20), softcap=3.0, sinks=True, dtype=jnp.bfloat16,
+                                          programs=2), id="three-wgs-all-features-2-programs-empty"),
 ]
 
 
@@ -269,6 +278,8 @@ LOWERING_CASES = [
     pytest.param(dict(causal=True, d=256, block_kv=64), id="d256"),
     pytest.param(dict(causal=True, softcap=3.0, sinks=True, window=(9, 2), programs=3, d=256, block_kv=64),
                  id="d256-all-persistent"),
+    pytest.param(dict(causal=True, compute_wgs=3, block_kv=128, programs=3), id="three-wgs-persistent"),
+    pytest.param(dict(causal=False, softcap=3.0, sinks=True, window=(9, 2), compute_wgs=3), id="three-wgs-all"),
 ]
 
 
@@ -369,7 +380,8 @@ def test_tiles_kernel_rejects_partial_tiles(l, s, kw, match):
 
 @pytest.mark.parametrize("kw", [pytest.param(dict(causal=True), id="causal"),
                                 pytest.param(dict(causal=True, softcap=3.0, window=(9, 2), sinks=True), id="all"),
-                                pytest.param(dict(causal=True, programs=132), id="persistent")])
+                                pytest.param(dict(causal=True, programs=132), id="persistent"),
+                                pytest.param(dict(causal=True, programs=132, compute_wgs=3), id="three-wgs")])
 @pytest.mark.parametrize("d, block_kv", [(64, 128), (64, 256), (128, 128), (256, 64)])
 def test_tma_edges_lower_for_hopper(kw, d, block_kv):
     """With `tma_edges` the kernel takes lengths in 8-row tiles in place (L = 104, S = 136: its last
@@ -383,6 +395,10 @@ def test_tma_edges_lower_for_hopper(kw, d, block_kv):
 
     def forward(q, k, v, sinks):
         return flash_forward_mgpu_tiles(q, k, v, scale=0.1, sinks=sinks, block_kv=block_kv, tma_edges=True, **kw)
+    if kw.get("compute_wgs") == 3 and d != 64:  # three accumulators of wider heads do not fit in the registers
+        with pytest.raises(ValueError, match=rf"compute_wgs=3 at head_dim={d}: expected 2, or 3 at head dims \(64,\)"):
+            jax.jit(forward).trace(q, k, k, sinks)
+        return
     text = jax.jit(forward).trace(q, k, k, sinks).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
 

@@ -156,6 +156,20 @@ def test_the_hopper_forward_takes_shorter_key_blocks_for_short_head_dim_64_walks
     # The padded length chooses the same tiles as the true one (the kernel sees the padded keys).
     assert hopper_tiles(which, d, want_keys) == hopper_tiles(which, d, s)
 
+
+@pytest.mark.parametrize("d, s, want_wgs, want_rows", [
+    (64, 1000, 3, 192),   # short head-dim-64 walks: three compute warpgroups, 192-row tiles
+    (64, 2048, 3, 192),
+    (64, 2049, 2, 128),   # past the bound: two
+    (128, 1000, 2, 128),
+])
+def test_the_hopper_forward_takes_three_compute_warpgroups_for_short_head_dim_64_walks(d, s, want_wgs, want_rows):
+    from jaxattn.jax_core.calls import hopper_padded_lengths, hopper_tiles
+
+    assert hopper_tiles("forward", d, s).get("compute_wgs", 2) == want_wgs
+    assert hopper_padded_lengths(97, s, d, backward=False)[0] == want_rows
+    assert hopper_padded_lengths(97, s, d, backward=True)[0] == 128  # the backward's query blocks stay 128 rows
+
 @pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 def test_contiguous_heads_first_memory_folds_into_the_batch_without_a_copy(hq, hk):
     """Contiguous (B, H, T, D) memory, GQA included, reaches the kernels as (B*H, T, 1, D) views of the

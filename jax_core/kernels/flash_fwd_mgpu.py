@@ -61,8 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
-from .flash_mgpu_checks import (FORWARD_HEAD_DIMS, batch_group, check_arrays, check_blocks, check_features,
-                                check_tiling, check_whole_tiles, forward_q_slots)
+from .flash_mgpu_checks import (FORWARD_HEAD_DIMS, batch_group, check_arrays, check_blocks, check_compute_wgs,
+                                check_features, check_tiling, check_whole_tiles, forward_q_slots)
 from .persistent_waves import DealtWork, Waves, waves
 
 LOG2E = math.log2(math.e)
@@ -81,6 +81,12 @@ class _Band:
     kv_len: int
     block_q: int
     block_kv: int
+    wgs: int = COMPUTE_WGS  # compute warpgroups of block_q rows each: a tile is wgs * block_q rows
+    q_len: int | None = None  # rows from q_len on are padding (None: the caller's rows all count)
+
+    @property
+    def tile_rows(self):
+        return self.wgs * self.block_q
 
     @property
     def num_kv_blocks(self):
@@ -118,8 +124,8 @@ def _full_blocks(rows, lo, hi, band):
     if band.right is None and not band.ragged_end:
         return full_lo, hi
     whole_blocks = band.kv_len // band.block_kv  # blocks with no key past kv_len
-    if band.right is None:
-        return full_lo, (whole_blocks if band.left is None else jnp.clip(whole_blocks, full_lo, hi))
+    if band.right is None:  # clipped: hi may stop short of the last block (a warpgroup of padded rows)
+        return full_lo, jnp.clip(whole_blocks, full_lo, hi)
     # The first row's right edge is the tightest.
     full_end = lax.div(rows + (band.diag_offset + band.right) + 1, jnp.int32(band.block_kv))
     if band.ragged_end:
@@ -180,27 +186,28 @@ def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, batch
     out_ref, lse_ref = refs[-2:]
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
-    block_q, block_kv = band.block_q, band.block_kv
+    block_q, block_kv, wgs = band.block_q, band.block_kv, band.wgs
     # A program walking several tiles loads the next tile's Q into a second slot while its last tile's
     # O (written over that tile's Q) is still being stored, where two fit.
-    q_slots = forward_q_slots(d, jnp.dtype(dtype).itemsize, block_q, block_kv, stages, tiles.per_program)
+    q_slots = forward_q_slots(d, jnp.dtype(dtype).itemsize, block_q, block_kv, stages, tiles.per_program, wgs)
     # 128-byte rows (64 16-bit elements) in 128-byte swizzled tiles: the layout TMA writes and
     # wgmma reads without bank conflicts.
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
-        plgpu.SMEM((COMPUTE_WGS, q_slots, block_q, d), dtype, transforms=transforms),  # Q, then O
+        plgpu.SMEM((wgs, q_slots, block_q, d), dtype, transforms=transforms),  # Q, then O
         plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),  # K ring
         plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),  # V ring
-        plgpu.SMEM((COMPUTE_WGS, q_slots, block_q), jnp.float32),  # LSE rows
+        plgpu.SMEM((wgs, q_slots, block_q), jnp.float32),  # LSE rows
     )
     barriers = dict(
-        q_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS * q_slots),
-        q_free=plgpu.Barrier(num_barriers=COMPUTE_WGS * q_slots),
+        q_ready=plgpu.Barrier(num_barriers=wgs * q_slots),
+        q_free=plgpu.Barrier(num_barriers=wgs * q_slots),
         k_ready=plgpu.Barrier(num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
-        k_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-        v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-        turn=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        k_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        # Two warpgroups meet at one barrier; three pass a token round, one barrier each (`_Turns`).
+        turn=plgpu.Barrier(num_arrivals=2) if wgs == 2 else plgpu.Barrier(num_barriers=wgs),
     )
     cfg = dict(scale=scale, band=band, softcap=softcap, stages=stages, tiles=tiles, group=group, batches=batches,
                interpret=interpret)
@@ -211,10 +218,13 @@ def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, batch
 
 
 def _program_blocks(program_rows, band):
-    """[start, end): the key blocks of a tile, from warpgroup 0's first to warpgroup 1's last (their
-    rows come later). The memory warpgroup loads all of them; each compute warpgroup releases the
-    slots of those it does not need."""
-    end = _kv_end(program_rows + COMPUTE_WGS * band.block_q, band)
+    """[start, end): the key blocks of a tile, from warpgroup 0's first to the last warpgroup's last
+    (their rows come later; rows from q_len on need none). The memory warpgroup loads all of them;
+    each compute warpgroup releases the slots of those it does not need."""
+    row_end = program_rows + band.tile_rows
+    if band.q_len is not None and band.right is not None:
+        row_end = jnp.minimum(row_end, band.q_len)
+    end = _kv_end(row_end, band)
     start = 0 if band.left is None else _kv_start(program_rows, _kv_end(program_rows + band.block_q, band), band)
     return jnp.int32(start), end
 
@@ -222,17 +232,19 @@ def _program_blocks(program_rows, band):
 def _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, *, scale, band, softcap,
                 stages, tiles, group, batches, interpret):
     program, wg = lax.axis_index("programs"), lax.axis_index("wg")
+    # Registers moved from the memory warpgroup to the compute ones (Hopper's setmaxnreg), all of a
+    # multiprocessor's 64K 32-bit registers between them: (2 * 232 + 40) * 128 or (3 * 160 + 24) * 128.
+    compute_registers, memory_registers = (232, 40) if band.wgs == 2 else (160, 24)
 
-    @pl.when(wg < COMPUTE_WGS)
+    @pl.when(wg < band.wgs)
     def _():
-        # Registers moved from the memory warpgroup to the compute ones (Hopper's setmaxnreg).
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(compute_registers, action="increase")
         _compute(sinks_ref, out_ref, lse_ref, bufs, bars, program=program, wg=wg, tiles=tiles, scale=scale,
                  band=band, softcap=softcap, stages=stages, interpret=interpret)
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg == band.wgs)
     def _():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(memory_registers, action="decrease")
         _memory(q_ref, k_ref, v_ref, bufs, bars, program=program, tiles=tiles, band=band, group=group,
                 batches=batches, stages=stages)
 
@@ -248,7 +260,7 @@ def _memory(q_ref, k_ref, v_ref, bufs, bars, *, program, tiles, band, group, bat
         batch, head, program_rows = tiles.at(program, j)
         q_slot = lax.rem(j, q_slots)
 
-        @pl.loop(0, COMPUTE_WGS)
+        @pl.loop(0, band.wgs)
         def _(w):
             barrier = w * q_slots + q_slot
 
@@ -290,9 +302,9 @@ def _memory(q_ref, k_ref, v_ref, bufs, bars, *, program, tiles, band, group, bat
         plgpu.barrier_wait(bars["v_free"].at[slot])
 
 
-def padded_lengths(l, s, *, block_q=64, block_kv=128):
-    """(L, S) rounded up to the kernel's whole tiles: 2 * block_q query rows, block_kv keys."""
-    rows = COMPUTE_WGS * block_q
+def padded_lengths(l, s, *, block_q=64, block_kv=128, compute_wgs=COMPUTE_WGS):
+    """(L, S) rounded up to the kernel's whole tiles: compute_wgs * block_q query rows, block_kv keys."""
+    rows = compute_wgs * block_q
     return pl.cdiv(l, rows) * rows, pl.cdiv(s, block_kv) * block_kv
 
 
@@ -303,36 +315,39 @@ def _pad_rows(x, length):
     return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
 
 
-def _tiles(q_shape, block_q, programs):
+def _tiles(q_shape, block_q, compute_wgs, programs):
     """The `_Tiles` of q (B, L', Hq, D) on whole tiles; `programs`: None (one program per tile) or a
     positive int (at most one per tile is used)."""
     b, l, hq, _ = q_shape
-    q_blocks = pl.cdiv(l, COMPUTE_WGS * block_q)
-    return _Tiles(batch=b, heads=hq, q_blocks=q_blocks, rows=COMPUTE_WGS * block_q,
+    q_blocks = pl.cdiv(l, compute_wgs * block_q)
+    return _Tiles(batch=b, heads=hq, q_blocks=q_blocks, rows=compute_wgs * block_q,
                   waves=waves(b * hq * q_blocks, programs))
 
 
 def _checked_band(q, k, v, *, scale, causal, diag_offset, window, softcap, sinks, block_q, block_kv, stages,
-                  programs, per_batch_sinks=False):
+                  compute_wgs, programs, per_batch_sinks=False):
     """(the checked arguments' band, all keys (kv_len = S) real, and their `_Tiles`)."""
     check_arrays(q, k, v, head_dims=FORWARD_HEAD_DIMS)
     check_blocks(block_q, block_kv, stages)
-    tiles = _tiles(q.shape, block_q, programs)
     d, itemsize = q.shape[3], jnp.dtype(q.dtype).itemsize
-    check_tiling(d, itemsize, block_q, block_kv, stages,
-                 q_slots=forward_q_slots(d, itemsize, block_q, block_kv, stages, tiles.per_program))
+    check_compute_wgs(compute_wgs, d)
+    tiles = _tiles(q.shape, block_q, compute_wgs, programs)
+    check_tiling(d, itemsize, block_q, block_kv, stages, compute_wgs=compute_wgs,
+                 q_slots=forward_q_slots(d, itemsize, block_q, block_kv, stages, tiles.per_program, compute_wgs))
     check_features(q.shape[2], scale=scale, diag_offset=diag_offset, window=window, softcap=softcap,
                    sinks=sinks, batch=q.shape[0] if per_batch_sinks else None)
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
     band = _Band(diag_offset=int(diag_offset), left=None if left < 0 else int(left),
-                 right=None if right < 0 else int(right), kv_len=k.shape[1], block_q=block_q, block_kv=block_kv)
+                 right=None if right < 0 else int(right), kv_len=k.shape[1], block_q=block_q, block_kv=block_kv,
+                 wgs=compute_wgs)
     return band, tiles
 
 
 def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, block_kv=128, stages=2,
-                       window=None, softcap=None, sinks=None, programs=None, interpret=None):
+                       window=None, softcap=None, sinks=None, programs=None, compute_wgs=COMPUTE_WGS,
+                       interpret=None):
     """(out, lse) of softmax(scale * q k^T [causal, window, soft cap, sinks]) v, any L, S >= 1; see
     the module docstring for layouts and features.
 
@@ -341,24 +356,26 @@ def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, blo
     `window`: (left, right), -1 unbounded, or None. `softcap`: float or None. `sinks`: (Hq,) float32
     or None. `programs`: None for one program per tile of 2 * block_q query rows, or the size of a
     persistent grid (the GPU's multiprocessor count) whose programs walk the tiles in turn, each
-    loading its next tile while it finishes the last. `interpret`: Mosaic GPU interpret-mode
-    parameters (`InterpretGPUParams`) to run on a CPU, or None to compile for the GPU."""
+    loading its next tile while it finishes the last. `compute_wgs`: the compute warpgroups of a
+    program, 2, or 3 at head dim 64 (tiles of 3 * block_q rows, for short walks). `interpret`: Mosaic
+    GPU interpret-mode parameters (`InterpretGPUParams`) to run on a CPU, or None to compile for the GPU."""
     l, s = q.shape[1], k.shape[1]
-    rows, keys = padded_lengths(l, s, block_q=block_q, block_kv=block_kv)
+    rows, keys = padded_lengths(l, s, block_q=block_q, block_kv=block_kv, compute_wgs=compute_wgs)
     band, tiles = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
                                 softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages,
-                                programs=programs)
-    out, lse = _launch(_pad_rows(q, rows), _pad_rows(k, keys), _pad_rows(v, keys), sinks, band=band, tiles=tiles,
-                       scale=scale, softcap=softcap, stages=stages, interpret=interpret)
+                                compute_wgs=compute_wgs, programs=programs)
+    out, lse = _launch(_pad_rows(q, rows), _pad_rows(k, keys), _pad_rows(v, keys), sinks,
+                       band=dataclasses.replace(band, q_len=l), tiles=tiles, scale=scale, softcap=softcap,
+                       stages=stages, interpret=interpret)
     if rows != l:
         out, lse = out[:, :l], lse[:, :, :l]
     return out, lse
 
 
 def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset=0, block_q=64, block_kv=128,
-                             stages=2, window=None, softcap=None, sinks=None, programs=None, tma_edges=False,
-                             interpret=None):
-    """`flash_forward_mgpu` on whole tiles: L a multiple of 2 * block_q, S of block_kv (see
+                             stages=2, window=None, softcap=None, sinks=None, programs=None,
+                             compute_wgs=COMPUTE_WGS, tma_edges=False, interpret=None):
+    """`flash_forward_mgpu` on whole tiles: L a multiple of compute_wgs * block_q, S of block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding, padded query rows
     computed like the others. Padding must be finite (zeros, say): a masked key's weight is 0, and
     0 * NaN is NaN. One Mosaic GPU kernel call and nothing else, so that `plgpu.as_torch_kernel`
@@ -367,14 +384,17 @@ def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset
     `tma_edges` (GPU only): L and S any multiples of 8 instead, read in place. The last tiles run past
     them: TMA fills the rows it loads past an array's end with zeros (keys past S are masked as
     padding is; query rows past L compute on zeros) and drops the rows it stores there. The LSE has
-    whole tiles' rows then, (B, Hq, L') for L' = L rounded up to a multiple of 2 * block_q."""
+    whole tiles' rows then, (B, Hq, L') for L' = L rounded up to a multiple of compute_wgs * block_q,
+    and a warpgroup whose rows all lie past L skips its walk."""
     band, tiles = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
                                 softcap=softcap, sinks=sinks, block_q=block_q, block_kv=block_kv, stages=stages,
-                                programs=programs, per_batch_sinks=True)
+                                compute_wgs=compute_wgs, programs=programs, per_batch_sinks=True)
     kv_len = band.kv_len if kv_len is None else kv_len
-    check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv, tma_edges=tma_edges, interpret=interpret)
-    return _launch(q, k, v, sinks, band=dataclasses.replace(band, kv_len=int(kv_len)), tiles=tiles, scale=scale,
-                   softcap=softcap, stages=stages, interpret=interpret)
+    check_whole_tiles(q.shape[1], k.shape[1], kv_len, block_q, block_kv, rows=(f"{compute_wgs} * block_q",
+                      compute_wgs * block_q), tma_edges=tma_edges, interpret=interpret)
+    band = dataclasses.replace(band, kv_len=int(kv_len), q_len=q.shape[1] if tma_edges else None)
+    return _launch(q, k, v, sinks, band=band, tiles=tiles, scale=scale, softcap=softcap, stages=stages,
+                   interpret=interpret)
 
 
 def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, interpret):
@@ -393,7 +413,7 @@ def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, interpret):
                   jax.ShapeDtypeStruct((b, hq, tiles.q_blocks * tiles.rows), jnp.float32)),
         grid=(tiles.programs,),
         grid_names=("programs",),
-        num_threads=COMPUTE_WGS + 1,
+        num_threads=band.wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
@@ -441,6 +461,74 @@ def _accumulate_pv(acc, p, v_slot, *, in_place):
     return acc + lax.dot_general(p, v_slot[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Turns:
+    """The order in which the compute warpgroups issue their products, so that one warpgroup's softmax
+    runs while another's matmuls do. A warpgroup holds the turn from the wgmma of P V of one key block
+    through issuing Q K^T of the next, and gives it up to do that block's softmax.
+    * Two warpgroups meet at one barrier (arrive and wait), warpgroup 1 starting one meeting behind
+      and warpgroup 0 ending one later (each tile is balanced on its own).
+    * Three pass a token round, 0 -> 1 -> 2 -> 0, one single-arrival barrier each: a warpgroup waits
+      on its own barrier and gives the turn by arriving on the next one's. Warpgroup 0 gives itself
+      the first turn and takes the last one back at the program's end."""
+    bars: dict
+    wg: object
+    wgs: int
+
+    def _take(self):
+        plgpu.barrier_wait(self.bars["turn"].at[self.wg])
+
+    def _give(self):
+        plgpu.barrier_arrive(self.bars["turn"].at[lax.rem(self.wg + 1, self.wgs)])
+
+    def _meet(self):
+        plgpu.barrier_arrive(self.bars["turn"])
+        plgpu.barrier_wait(self.bars["turn"])
+
+    def program_start(self):
+        if self.wgs > 2:
+            pl.when(self.wg == 0)(lambda: plgpu.barrier_arrive(self.bars["turn"].at[0]))
+
+    def program_end(self):
+        if self.wgs > 2:
+            pl.when(self.wg == 0)(self._take)
+
+    def tile_start(self):
+        if self.wgs > 2:
+            self._take()
+        else:
+            pl.when(self.wg == 1)(self._meet)
+
+    def tile_end(self):
+        if self.wgs > 2:
+            self._give()
+        else:
+            pl.when(self.wg == 0)(self._meet)
+
+    def after_scores(self):
+        """Q K^T issued: another warpgroup's turn."""
+        self._give() if self.wgs > 2 else self._meet()
+
+    def before_pv(self, v_ready):
+        """The softmax done: waits for the V block (`v_ready`) and the turn."""
+        if self.wgs > 2:
+            plgpu.barrier_wait(v_ready)
+            self._take()
+        else:
+            plgpu.barrier_arrive(self.bars["turn"])
+            plgpu.barrier_wait(v_ready)
+            plgpu.barrier_wait(self.bars["turn"])
+
+    def skip(self):
+        """A key block this warpgroup does not walk: the turns it would have taken."""
+        if self.wgs > 2:
+            self._give()
+            self._take()
+        else:
+            self._meet()
+            self._meet()
+
+
 def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, scale, band, softcap, stages,
              interpret):
     q_all, k_smem, v_smem, lse_all = bufs
@@ -453,10 +541,9 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
     scale_log2 = (scale if softcap is None else softcap) * LOG2E
     on_gpu = interpret is None
     count = tiles.count(program)
-
-    def take_turn():
-        plgpu.barrier_arrive(bars["turn"])
-        plgpu.barrier_wait(bars["turn"])
+    turns = _Turns(bars, wg, band.wgs)
+    # Whether some warpgroup's rows may all be padding (rows from q_len on): it then walks no block.
+    idle_wgs = band.q_len is not None and tiles.q_blocks * tiles.rows - band.q_len >= block_q
 
     def tile(j, loaded):
         """The j-th tile; `loaded` counts the key blocks of the earlier ones, as the memory warpgroup
@@ -468,6 +555,8 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         program_start, program_end = _program_blocks(program_rows, band)
         # This warpgroup's key blocks [start, end) of the tile's [program_start, program_end).
         end = _kv_end(rows + block_q, band)
+        if idle_wgs:
+            end = jnp.where(rows < band.q_len, end, program_start)
         start = _kv_start(rows, end, band)
         full_start, full_end = _full_blocks(rows, start, end, band)
 
@@ -488,6 +577,21 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         def ring_slot(i):
             return lax.rem(loaded + (i - program_start), jnp.int32(stages))
 
+        def softmax(s, i, m, l, *, masked):
+            """Block i's scores -> (P in the operands' dtype, the rescale factor of the rows' running
+            sums and output, the new running max and sum)."""
+            if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
+                s = jnp.tanh(s * (scale / softcap))
+            if masked:
+                s = _mask(s, i, rows, band, on_gpu=on_gpu)
+            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            return p.astype(dtype), alpha, m_new, l * alpha + p.sum(axis=1)
+
+        def rescaled(acc, alpha):
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
         def kv_step(i, carry, *, masked, keys=block_kv):
             """One key block; `keys` < block_kv: its first `keys` keys only (no row sees the others)."""
             acc, m, l = carry
@@ -496,25 +600,15 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
                               for ref in (k_smem, v_smem))
             plgpu.barrier_wait(bars["k_ready"].at[slot])
 
-            # take_turn once the matmul is issued: the other warpgroup may then issue its own.
-            s = _scores(qo_smem, k_slot, take_turn, on_gpu=on_gpu)
+            # The turn passes once the matmul is issued: another warpgroup may then issue its own.
+            s = _scores(qo_smem, k_slot, turns.after_scores, on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["k_free"].at[slot])
-            if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
-                s = jnp.tanh(s * (scale / softcap))
-            if masked:
-                s = _mask(s, i, rows, band, on_gpu=on_gpu)
-            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(dtype)
+            p16, alpha, m_new, l = softmax(s, i, m, l, masked=masked)
+            acc = rescaled(acc, alpha)
             # Finish the softmax before handing the tensor cores over, rather than letting the compiler
             # sink part of it past the barrier into the other warpgroup's turn.
             acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
-            plgpu.barrier_arrive(bars["turn"])
-            plgpu.barrier_wait(bars["v_ready"].at[slot])
-            plgpu.barrier_wait(bars["turn"])
+            turns.before_pv(bars["v_ready"].at[slot])
 
             acc = _accumulate_pv(acc, p16, v_slot, in_place=on_gpu)
             plgpu.barrier_arrive(bars["v_free"].at[slot])
@@ -528,8 +622,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             plgpu.barrier_arrive(bars["k_free"].at[slot])
             plgpu.barrier_wait(bars["v_ready"].at[slot])
             plgpu.barrier_arrive(bars["v_free"].at[slot])
-            take_turn()
-            take_turn()
+            turns.skip()
             pl.when(i == program_start)(free_next_slot)
 
         plgpu.barrier_wait(bars["q_ready"].at[wg * q_slots + q_slot])
@@ -542,10 +635,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             sink = (sinks_ref[head] if len(sinks_ref.shape) == 1 else sinks_ref[batch, head]) * LOG2E
             m = jnp.maximum(m, sink)
             l = jnp.exp2(sink - m)
-        # Warpgroup 1 starts one turn behind, so the two alternate: QK of one during softmax of the
-        # other; warpgroup 0 ends one turn later. The turns are balanced within each tile (a tile
-        # without key blocks takes none otherwise, so they cannot wait on another tile's).
-        pl.when(wg == 1)(take_turn)
+        turns.tile_start()
         carry = (acc, m, l)
         if band.left is not None:
             lax.fori_loop(program_start, start, release, None)
@@ -558,10 +648,10 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             if halves:
                 carry = lax.fori_loop(end - halved, end, functools.partial(kv_step, masked=True,
                                                                            keys=block_kv // 2), carry)
-        if band.right is not None:
+        if band.right is not None or idle_wgs:
             lax.fori_loop(end, program_end, release, None)
         pl.when(program_start == program_end)(free_next_slot)  # a tile with no key blocks
-        pl.when(wg == 0)(take_turn)
+        turns.tile_end()
         acc, m, l = carry
 
         # l >= 1 for a row that saw a key or has a sink (its max contributes exp2(0)); l = 0 (acc = 0)
@@ -584,5 +674,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
                 plgpu.barrier_arrive(bars["q_free"].at[wg])
         return loaded + (program_end - program_start)
 
+    turns.program_start()
     lax.fori_loop(0, count, tile, jnp.int32(0))
+    turns.program_end()
     plgpu.wait_smem_to_gmem(0)

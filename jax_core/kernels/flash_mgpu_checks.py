@@ -12,6 +12,10 @@ import numbers
 import jax.numpy as jnp
 
 COMPUTE_WGS = 2
+#: Compute warpgroups the forward may run per program, and the head dims at which it may run three
+#: (three 64-row tiles at 160 registers a thread: the 64 x 64 accumulator beside the scores).
+FORWARD_COMPUTE_WGS = (2, 3)
+THREE_WG_HEAD_DIMS = (64,)
 #: Head dims of the forward and of the backward (whose per-warpgroup dK and dV tiles at 256 would not
 #: fit beside the query-block rings).
 FORWARD_HEAD_DIMS = (64, 128, 256)
@@ -63,25 +67,34 @@ def batch_group(q, k) -> int:
     return q.shape[0] // k.shape[0]
 
 
-def _forward_buffers(d, itemsize, block_q, block_kv, stages, q_slots):
+def _forward_buffers(d, itemsize, block_q, block_kv, stages, q_slots, compute_wgs):
     """Bytes of the forward's Q/O tiles and K and V rings; barriers and Mosaic's own scratch take a few
     KiB more (an H100 run of D=128, block_kv=128, stages=3: 229,888 bytes of buffers, 232,568 in all)."""
-    return itemsize * (q_slots * COMPUTE_WGS * block_q * d + 2 * stages * block_kv * d)
+    return itemsize * (q_slots * compute_wgs * block_q * d + 2 * stages * block_kv * d)
 
 
-def forward_q_slots(d, itemsize, block_q, block_kv, stages, tiles_per_program):
+def forward_q_slots(d, itemsize, block_q, block_kv, stages, tiles_per_program, compute_wgs=COMPUTE_WGS):
     """Q/O tiles per compute warpgroup in the forward: two where a program walks several tiles and they
     fit beside the rings (the next tile's Q loads while the last one's O is stored), else one (head dim
     256: two would take 128 KiB)."""
-    fits = _forward_buffers(d, itemsize, block_q, block_kv, stages, 2) <= SMEM_BYTES - SMEM_RESERVE
+    fits = _forward_buffers(d, itemsize, block_q, block_kv, stages, 2, compute_wgs) <= SMEM_BYTES - SMEM_RESERVE
     return 2 if tiles_per_program > 1 and fits else 1
 
 
-def check_tiling(d, itemsize, block_q, block_kv, stages, q_slots=1):
+def check_compute_wgs(compute_wgs, d):
+    """The forward's compute warpgroups per program at head dim `d`."""
+    if compute_wgs not in FORWARD_COMPUTE_WGS or (compute_wgs == 3 and d not in THREE_WG_HEAD_DIMS):
+        raise ValueError(f"compute_wgs={compute_wgs!r} at head_dim={d}: expected 2, or 3 at head dims "
+                         f"{THREE_WG_HEAD_DIMS} (three accumulators of wider heads do not fit in the registers); "
+                         "hint: compute_wgs=2")
+
+
+def check_tiling(d, itemsize, block_q, block_kv, stages, q_slots=1, compute_wgs=COMPUTE_WGS):
     """The forward's tile sizes, pipeline depth and the shared memory they take, with `q_slots` Q/O
-    tiles per compute warpgroup (`forward_q_slots`)."""
+    tiles per compute warpgroup (`forward_q_slots`) and `compute_wgs` compute warpgroups."""
     check_blocks(block_q, block_kv, stages)
-    buffers = _forward_buffers(d, itemsize, block_q, block_kv, stages, q_slots)
+    check_compute_wgs(compute_wgs, d)
+    buffers = _forward_buffers(d, itemsize, block_q, block_kv, stages, q_slots, compute_wgs)
     if buffers > SMEM_BYTES - SMEM_RESERVE:
         raise ValueError(f"stages={stages}, block_kv={block_kv}, head_dim={d}: {buffers} bytes of shared-memory "
                          f"buffers, expected at most {SMEM_BYTES - SMEM_RESERVE} (Hopper's {SMEM_BYTES} per block "
