@@ -185,11 +185,10 @@ HOPPER_TILES = dict(
 #: on the masked diagonal. Forward alone on the persistent grid, causal bf16, H200 (BENCHMARKS.md
 #: "The backward's persistent grid; head dim 64: 128-key blocks for short walks"), 256- / 128-key
 #: blocks: 128.5 / 117.6 us at (16, 16, 1024, 64), 197.5 / 196.3 at (8, 16, 2048, 64), 345.5 / 354.6
-#: at (4, 16, 4096, 64). There, three compute warpgroups (192-row tiles) against two, 128-key blocks,
-#: two runs (BENCHMARKS.md "Three compute warpgroups"): 118.5 / 121.1 and 115.7 / 117.3 us at (16, 16,
-#: 1024, 64), 198.3 / 214.2 and 179.6 / 194.0 at (8, 16, 2048, 64); at 4096 and beyond they are no
-#: better than two with 256-key blocks (345.6 / 337.7 us at (4, 16, 4096, 64)).
-HOPPER_FORWARD_SHORT = {64: (2048, dict(block_q=64, block_kv=128, stages=3, compute_wgs=3))}
+#: at (4, 16, 4096, 64). Three compute warpgroups (`compute_wgs=3`, 192-row tiles) ran the kernel alone
+#: 1-8% faster there but the drop-in's training step no faster (BENCHMARKS.md "Three compute
+#: warpgroups"), so the tiles stay two warpgroups'.
+HOPPER_FORWARD_SHORT = {64: (2048, dict(block_q=64, block_kv=128, stages=2))}
 
 
 def hopper_tiles(which: str, head_dim: int, kv_len: int) -> dict:

@@ -157,18 +157,20 @@ def test_the_hopper_forward_takes_shorter_key_blocks_for_short_head_dim_64_walks
     assert hopper_tiles(which, d, want_keys) == hopper_tiles(which, d, s)
 
 
-@pytest.mark.parametrize("d, s, want_wgs, want_rows", [
-    (64, 1000, 3, 192),   # short head-dim-64 walks: three compute warpgroups, 192-row tiles
-    (64, 2048, 3, 192),
-    (64, 2049, 2, 128),   # past the bound: two
-    (128, 1000, 2, 128),
-])
-def test_the_hopper_forward_takes_three_compute_warpgroups_for_short_head_dim_64_walks(d, s, want_wgs, want_rows):
-    from jaxattn.jax_core.calls import hopper_padded_lengths, hopper_tiles
+@pytest.mark.parametrize("compute_wgs, want_rows", [(2, 128), (3, 192)])
+def test_padded_lengths_follow_the_forward_tiles_compute_warpgroups(monkeypatch, compute_wgs, want_rows):
+    """The forward's tiles are compute_wgs * block_q rows: the lengths a caller pads to (and the LSE's
+    rows) follow a tile setting that names three compute warpgroups; the backward's do not."""
+    from jaxattn.jax_core import calls
 
-    assert hopper_tiles("forward", d, s).get("compute_wgs", 2) == want_wgs
-    assert hopper_padded_lengths(97, s, d, backward=False)[0] == want_rows
-    assert hopper_padded_lengths(97, s, d, backward=True)[0] == 128  # the backward's query blocks stay 128 rows
+    tiles = dict(block_q=64, block_kv=128, stages=2) | ({} if compute_wgs == 2 else dict(compute_wgs=3))
+    monkeypatch.setitem(calls.HOPPER_FORWARD_SHORT, 64, (2048, tiles))
+    calls.hopper_padded_lengths.cache_clear()
+    try:
+        assert calls.hopper_padded_lengths(97, 1000, 64, backward=False) == (want_rows, 1024)
+        assert calls.hopper_padded_lengths(97, 1000, 64, backward=True)[0] == 128
+    finally:
+        calls.hopper_padded_lengths.cache_clear()
 
 @pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 def test_contiguous_heads_first_memory_folds_into_the_batch_without_a_copy(hq, hk):

@@ -11,8 +11,8 @@ Arrays, (batch, length, heads, head dim) as Mosaic GPU's TMA wants them:
     b // (B / Bk) (`flash_mgpu_checks.batch_group`). Returns out (B, L, Hq, D) in q's dtype and lse (B, Hq, L)
     float32, natural log. A row that sees no key gives out 0 and lse -inf (the sink's logit with sinks).
 
-The work is tiles of 2 * block_q query rows of one head. One program (a CUDA block of three
-warpgroups) walks one tile, or, with `programs` (a persistent grid, one program per multiprocessor),
+The work is tiles of 2 * block_q query rows of one head (compute_wgs * block_q). One program (a CUDA
+block of three warpgroups) walks one tile, or, with `programs` (a persistent grid, one program per multiprocessor),
 several in turn (`_Tiles`, dealt by `persistent_waves`):
     * warpgroup 2 (memory) issues TMA copies of each tile's Q and of its K and V blocks into a ring
       of `stages` shared-memory slots; `*_ready` barriers say a slot is filled, `*_free` barriers
@@ -24,7 +24,9 @@ several in turn (`_Tiles`, dealt by `persistent_waves`):
       the last O has been read out.
     * warpgroups 0 and 1 (compute) own block_q rows each: wgmma S = Q K^T, online softmax in
       registers (exp2, scale * log2(e) folded into one multiply), wgmma O += P V. A shared
-      `turn` barrier makes them alternate, so one warpgroup's softmax overlaps the other's matmuls.
+      `turn` barrier makes them alternate, so one warpgroup's softmax overlaps the other's matmuls
+      (`_Turns`). With `compute_wgs=3` (head dim 64) three compute warpgroups pass the turn round
+      and the memory warpgroup is the fourth; a warpgroup whose rows are all padding walks nothing.
       O is written over the tile's Q slot and stored by TMA without waiting; the store must have
       read the slot before the memory warpgroup loads Q two tiles on (`free_next_slot`).
 
