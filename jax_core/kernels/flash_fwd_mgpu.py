@@ -11,9 +11,9 @@ Arrays, (batch, length, heads, head dim) as Mosaic GPU's TMA wants them:
     b // (B / Bk) (`flash_mgpu_checks.batch_group`). Returns out (B, L, Hq, D) in q's dtype and lse (B, Hq, L)
     float32, natural log. A row that sees no key gives out 0 and lse -inf (the sink's logit with sinks).
 
-The work is tiles of 2 * block_q query rows of one head (compute_wgs * block_q). One program (a CUDA
-block of three warpgroups) walks one tile, or, with `programs` (a persistent grid, one program per multiprocessor),
-several in turn (`_Tiles`, dealt by `persistent_waves`):
+The work is tiles of 2 * block_q query rows of one head (compute_wgs * block_q). One program (a
+CUDA block of three warpgroups) walks one tile, or, with `programs` (a persistent grid, one program
+per multiprocessor), several in turn (`_Tiles`, dealt by `persistent_waves`):
     * warpgroup 2 (memory) issues TMA copies of each tile's Q and of its K and V blocks into a ring
       of `stages` shared-memory slots; `*_ready` barriers say a slot is filled, `*_free` barriers
       (two arrivals, one per compute warpgroup) say both have read it. The ring runs on from tile
