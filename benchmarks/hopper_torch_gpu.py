@@ -13,8 +13,10 @@ backward (autograd.grad of the output against a fixed cotangent):
       which these rows set, off);
     * "jaxattn triton": the same call with the Hopper kernels switched off (the Triton kernels);
     * "torch cudnn" / "torch flash": F.scaled_dot_product_attention under `sdpa_kernel`;
-    * "jaxattn hopper in place" (`--edges`): "jaxattn hopper" with `calls.HOPPER_TMA_EDGES` on, lengths
-      in whole 8-row TMA tiles read in place instead of copied into zero-padded tiles.
+    * "jaxattn hopper padded" and "jaxattn hopper in place" (`--edges`): "jaxattn hopper" with
+      `calls.HOPPER_TMA_EDGES` off and on: lengths that are not whole kernel tiles copied into
+      zero-padded tiles, or (whole 8-row TMA tiles) read in place. "jaxattn hopper" takes the
+      library's setting (on).
 Then head dim 64, GQA at head dim 64, and lengths that are not whole tiles. And the feature costs at
 (2,16,8192,128): the forward kernel with a soft cap, sinks, or a causal window covering every key,
 against the plain causal kernel (as_torch_kernel directly); forward + backward through `hopper_flash`
@@ -39,6 +41,7 @@ import math
 import os
 import statistics
 import sys
+from typing import Optional
 from unittest import mock
 
 import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
@@ -69,11 +72,13 @@ def flops(b, h, l, d, causal):
     return 4 * b * h * l * l * d / (2 if causal else 1)
 
 
-def drop_in(hopper: bool, tma_edges: bool = False):
+def drop_in(hopper: bool, tma_edges: Optional[bool] = None):
+    """The drop-in with the Hopper kernels at every eligible shape (or none); `tma_edges` None keeps
+    `calls.HOPPER_TMA_EDGES` as the library sets it."""
     def run(q, k, v, causal):
         gqa = q.shape[1] != k.shape[1]
         saved = dict(hopper_flash.HOPPER_MIN_LENGTH), hopper_flash.HOPPER_MIN_LENGTH_PROGRAM, calls.HOPPER_TMA_EDGES
-        calls.HOPPER_TMA_EDGES = tma_edges
+        calls.HOPPER_TMA_EDGES = saved[2] if tma_edges is None else tma_edges
         # "hopper": every eligible shape (no length threshold); "triton": none.
         hopper_flash.HOPPER_MIN_LENGTH.update(forward=0 if hopper else math.inf, train=0 if hopper else math.inf)
         hopper_flash.HOPPER_MIN_LENGTH_PROGRAM = {kind: {} for kind in saved[1]}  # the lengths above decide
@@ -97,9 +102,10 @@ def torch_backend(backend):
 ROWS = {"jaxattn hopper": drop_in(True), "jaxattn triton": drop_in(False),
         "torch cudnn": torch_backend(SDPBackend.CUDNN_ATTENTION),
         "torch flash": torch_backend(SDPBackend.FLASH_ATTENTION),
+        "jaxattn hopper padded": drop_in(True, tma_edges=False),
         "jaxattn hopper in place": drop_in(True, tma_edges=True)}
-#: The rows timed unless --rows says otherwise ("in place" differs from "jaxattn hopper" only at
-#: lengths that are not whole tiles: `--edges`).
+#: The rows timed unless --rows says otherwise ("padded" and "in place" differ only at lengths that
+#: are not whole tiles: `--edges`).
 DEFAULT_ROWS = ("jaxattn hopper", "jaxattn triton", "torch cudnn", "torch flash")
 
 
@@ -151,7 +157,7 @@ def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3, train_to
         rows.append(row)
         print(format_row(row), flush=True)
     theirs = found.get("torch cudnn")
-    for name in ("jaxattn hopper", "jaxattn hopper in place"):
+    for name in ("jaxattn hopper", "jaxattn hopper padded", "jaxattn hopper in place"):
         ours = found.get(name)
         if not (ours and theirs and "error" not in ours and "error" not in theirs):
             continue
@@ -350,7 +356,7 @@ def main():
                              "with --edges, the Hopper rows and cuDNN)")
     parser.add_argument("--rounds", type=int, default=3, help="times each row is timed, in turn with the others")
     args = parser.parse_args()
-    default = ("jaxattn hopper", "jaxattn hopper in place", "torch cudnn") if args.edges else DEFAULT_ROWS
+    default = ("jaxattn hopper padded", "jaxattn hopper in place", "torch cudnn") if args.edges else DEFAULT_ROWS
     names = tuple(name.strip() for name in args.rows.split(",")) if args.rows else default
     unknown = [name for name in names if name not in ROWS]
     if unknown or args.rounds < 1:
