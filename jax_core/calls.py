@@ -192,10 +192,9 @@ HOPPER_FORWARD_SHORT = {64: (2048, dict(block_q=64, block_kv=128, stages=2))}
 
 
 def hopper_tiles(which: str, head_dim: int, kv_len: int) -> dict:
-    """The Hopper kernel's tiles (block_q, block_kv, stages, and the forward's compute_wgs where not
-    2) for `which` ("forward" or "backward") at
-    `head_dim` over `kv_len` keys, padded or not (the choice is the same either way: a short length
-    pads to at most its bound)."""
+    """The Hopper kernel's tiles (block_q, block_kv, stages, and the forward's compute_wgs where not 2)
+    for `which` ("forward" or "backward") at `head_dim` over `kv_len` keys, padded or not (the choice
+    is the same either way: a short length pads to at most its bound)."""
     if which == "forward" and head_dim in HOPPER_FORWARD_SHORT:
         most, tiles = HOPPER_FORWARD_SHORT[head_dim]
         if kv_len <= most:
