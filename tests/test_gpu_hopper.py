@@ -476,6 +476,7 @@ def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dty
     (8, 2, 1000, 1032, dict(causal=True, window=(300, 0), bottom_right=True, d=64)),  # GQA, L < S
     (8, 4, 2056, 1000, dict(softcap=30.0, causal=True)),  # L > S: rows that see every key
     (8, 2, 3000, 5000, dict(softcap=15.0, window=(512, 64), bottom_right=True, sinks=True)),  # all of them
+    (8, 8, 1000, 3000, dict(window=(200, 140))),  # keys past the last true row's are loaded for none
 ])
 def test_lengths_in_whole_tma_tiles_run_in_place(monkeypatch, dtype, hq, hk, l, s, kw):
     """With `calls.HOPPER_TMA_EDGES`, lengths that are whole 8-row TMA tiles but not whole kernel tiles

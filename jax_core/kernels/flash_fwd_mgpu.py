@@ -101,9 +101,11 @@ class _Band:
 
 
 def _kv_end(row_end, band):
-    """One past the last key block that rows [.., row_end) need."""
+    """One past the last key block that rows [.., row_end) need; rows from q_len on (padding) need none."""
     if band.right is None:
         return jnp.int32(band.num_kv_blocks)
+    if band.q_len is not None:  # the memory warpgroup and every compute warpgroup agree on this end
+        row_end = jnp.minimum(row_end, band.q_len)
     visible_end = row_end + (band.diag_offset + band.right)  # keys j < this are visible to some row
     return jnp.clip(pl.cdiv(visible_end, jnp.int32(band.block_kv)), 0, band.num_kv_blocks)
 
@@ -223,10 +225,7 @@ def _program_blocks(program_rows, band):
     """[start, end): the key blocks of a tile, from warpgroup 0's first to the last warpgroup's last
     (their rows come later; rows from q_len on need none). The memory warpgroup loads all of them;
     each compute warpgroup releases the slots of those it does not need."""
-    row_end = program_rows + band.tile_rows
-    if band.q_len is not None and band.right is not None:
-        row_end = jnp.minimum(row_end, band.q_len)
-    end = _kv_end(row_end, band)
+    end = _kv_end(program_rows + band.tile_rows, band)
     start = 0 if band.left is None else _kv_start(program_rows, _kv_end(program_rows + band.block_q, band), band)
     return jnp.int32(start), end
 
