@@ -289,8 +289,8 @@ def hopper_padded_lengths(l: int, s: int, head_dim: int, backward: bool, tma_edg
     else:
         from .kernels.flash_fwd_mgpu import padded_lengths
     tiles = hopper_tiles("backward" if backward else "forward", head_dim, s)
-    rows = {} if backward else dict(compute_wgs=tiles.get("compute_wgs", 2))  # the forward's tile rows
-    return padded_lengths(l, s, block_q=tiles["block_q"], block_kv=tiles["block_kv"], **rows)
+    wgs = {"compute_wgs": tiles["compute_wgs"]} if "compute_wgs" in tiles else {}  # the forward's tile rows
+    return padded_lengths(l, s, block_q=tiles["block_q"], block_kv=tiles["block_kv"], **wgs)
 
 
 def flash_hopper(query, key, value, sinks=None, *, scale, causal, diag_offset, window=None, softcap=None,

@@ -578,21 +578,6 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         def ring_slot(i):
             return lax.rem(loaded + (i - program_start), jnp.int32(stages))
 
-        def softmax(s, i, m, l, *, masked):
-            """Block i's scores -> (P in the operands' dtype, the rescale factor of the rows' running
-            sums and output, the new running max and sum)."""
-            if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
-                s = jnp.tanh(s * (scale / softcap))
-            if masked:
-                s = _mask(s, i, rows, band, on_gpu=on_gpu)
-            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            return p.astype(dtype), alpha, m_new, l * alpha + p.sum(axis=1)
-
-        def rescaled(acc, alpha):
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
         def kv_step(i, carry, *, masked, keys=block_kv):
             """One key block; `keys` < block_kv: its first `keys` keys only (no row sees the others)."""
             acc, m, l = carry
@@ -604,8 +589,16 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             # The turn passes once the matmul is issued: another warpgroup may then issue its own.
             s = _scores(qo_smem, k_slot, turns.after_scores, on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["k_free"].at[slot])
-            p16, alpha, m_new, l = softmax(s, i, m, l, masked=masked)
-            acc = rescaled(acc, alpha)
+            if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
+                s = jnp.tanh(s * (scale / softcap))
+            if masked:
+                s = _mask(s, i, rows, band, on_gpu=on_gpu)
+            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
             # Finish the softmax before handing the tensor cores over, rather than letting the compiler
             # sink part of it past the barrier into the other warpgroup's turn.
             acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))

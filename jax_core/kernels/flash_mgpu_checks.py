@@ -91,9 +91,9 @@ def check_compute_wgs(compute_wgs, d):
 
 def check_tiling(d, itemsize, block_q, block_kv, stages, q_slots=1, compute_wgs=COMPUTE_WGS):
     """The forward's tile sizes, pipeline depth and the shared memory they take, with `q_slots` Q/O
-    tiles per compute warpgroup (`forward_q_slots`) and `compute_wgs` compute warpgroups."""
+    tiles per compute warpgroup (`forward_q_slots`) and `compute_wgs` compute warpgroups
+    (`check_compute_wgs`)."""
     check_blocks(block_q, block_kv, stages)
-    check_compute_wgs(compute_wgs, d)
     buffers = _forward_buffers(d, itemsize, block_q, block_kv, stages, q_slots, compute_wgs)
     if buffers > SMEM_BYTES - SMEM_RESERVE:
         raise ValueError(f"stages={stages}, block_kv={block_kv}, head_dim={d}: {buffers} bytes of shared-memory "
