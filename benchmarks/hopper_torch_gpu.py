@@ -68,6 +68,12 @@ SHAPES_256 = [(1, 8, 16384, 256), (2, 8, 8192, 256), (4, 8, 4096, 256), (8, 8, 2
               (2, 16, 8, 4096, 256)]
 
 
+# Head dim 256 with gradients: model D's calls (8 query / 4 KV heads at 4096 and 8192 tokens), and
+# lengths from 1k to 8k.
+SHAPES_256_TRAIN = [(2, 8, 4, 4096, 256), (1, 8, 4, 8192, 256), (2, 8, 8192, 256), (4, 8, 4096, 256),
+                    (16, 8, 1024, 256)]
+
+
 def flops(b, h, l, d, causal):
     return 4 * b * h * l * l * d / (2 if causal else 1)
 
@@ -348,6 +354,8 @@ def main():
                        help="the target shapes' training step in parts: the forward with gradients, the backward "
                             "step, and ours on the Python path split into its passes and kernel")
     which.add_argument("--head-dim-256", action="store_true", help="head dim 256, the forward alone")
+    which.add_argument("--head-dim-256-train", action="store_true",
+                       help="head dim 256, forward and forward + backward (model D's shapes among them)")
     which.add_argument("--edges", action="store_true",
                        help="the lengths that are not whole tiles only, padded and in place (calls.HOPPER_TMA_EDGES)")
     parser.add_argument("--rows", default=None,
@@ -391,6 +399,9 @@ def main():
         for shape in SHAPES_256:
             run(shape, train_too=False)
         run(SHAPES_256[1], causal=False, train_too=False)
+    elif args.head_dim_256_train:
+        for shape in SHAPES_256_TRAIN:
+            run(shape)
     elif args.quick:
         run(SHAPES[0])
     else:

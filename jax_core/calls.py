@@ -173,12 +173,14 @@ def ring_backward(query, key, value, q_segment_ids, kv_segment_ids, alibi_slopes
 # `softcap` a float or None. The tile settings, per head dim, are the ones measured fastest on an H100
 # (BENCHMARKS.md, "Hopper kernels"): at head dim 64 the forward's 256-key blocks halve the steps of a
 # walk whose products are small, and the backward's 128-row query blocks (its warpgroups splitting
-# dQ's rows) ran 8-12% faster than 64-row ones. The head-dim-256 forward (no backward) has room for
-# 64-key blocks in two stages beside one Q/O tile per warpgroup (192 KiB).
+# dQ's rows) ran 8-12% faster than 64-row ones. The head-dim-256 forward has room for 64-key blocks
+# in two stages beside one Q/O tile per warpgroup (192 KiB); its backward's items are 64 keys (2 x 32),
+# which both warpgroups share (`flash_bwd_mgpu_wide.py`).
 HOPPER_TILES = dict(
     forward={64: dict(block_q=64, block_kv=256, stages=2), 128: dict(block_q=64, block_kv=128, stages=2),
              256: dict(block_q=64, block_kv=64, stages=2)},
-    backward={64: dict(block_q=128, block_kv=64, stages=2), 128: dict(block_q=64, block_kv=64, stages=2)},
+    backward={64: dict(block_q=128, block_kv=64, stages=2), 128: dict(block_q=64, block_kv=64, stages=2),
+              256: dict(block_q=64, block_kv=32, stages=2)},
 )
 #: Forward tiles for short key lengths, per head dim: (most keys, tiles). At head dim 64 a causal walk
 #: over at most 2048 keys is a few blocks long, and 256-key blocks spend a quarter of the first one
@@ -244,7 +246,8 @@ def hopper_backward_programs(multiprocessors: int) -> Optional[int]:
 #: 64) 807 / 838 / 873 with 1 / 2 / 4 splits (512 items unsplit), (1, 8192, 32/8, 64) 1516 / 1538 /
 #: 1596, (1, 16384, 32/8, 64) 5916 / 6048 with 1 / 2, (1, 8192, 16/8, 128) 1363 / 1433, (1, 8192,
 #: 16/2, 128) 1436 / 1415 / 1410 with 2 / 4 / 8 (256 / 512 / 1024 items).
-HOPPER_BACKWARD_MIN_ITEMS = dict(persistent={64: 512, 128: 512}, per_item={64: 2048, 128: 4 * 132})
+HOPPER_BACKWARD_MIN_ITEMS = dict(persistent={64: 512, 128: 512, 256: 512}, per_item={64: 2048, 128: 4 * 132,
+                                                                                 256: 4 * 132})
 
 
 @functools.lru_cache(maxsize=1024)  # asked per backward call (torch launch): once per signature

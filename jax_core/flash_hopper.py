@@ -4,8 +4,7 @@ Runs the Pallas Mosaic GPU kernels of `kernels/flash_fwd_mgpu.py` (forward: out 
 LSE) and `kernels/flash_bwd_mgpu.py` (backward: dQ, dK, dV in one kernel) as one differentiable
 function, `flash_hopper_attention`, with the tiles tuned per head dim and length (`calls.hopper_tiles`).
 
-Where: CUDA on an sm90 (Hopper) GPU, bf16/fp16, head dims 64 and 128, and 256 without gradients
-(equal q/k and v head dims), any lengths, GQA, causal in both alignments, sliding windows, a logits
+Where: CUDA on an sm90 (Hopper) GPU, bf16/fp16, head dims 64, 128 and 256 (equal q/k and v head dims), any lengths, GQA, causal in both alignments, sliding windows, a logits
 soft cap, one sink logit per query head, the LSE and gradients (the sinks' included). It is not in
 the automatic selection order (`registry.PRIORITIES`): it runs when asked for by name. Tests pass `interpret=` (Mosaic GPU's
 interpret-mode parameters) to `flash_hopper_attention` to run the same kernels on a CPU.

@@ -110,9 +110,9 @@ def test_value_and_gradients_against_float64_oracle(b, l, s, hq, hk, d, kw, dtyp
     _check(out, lse, grads, want, low, dtype, kw.get("softcap"), l)
 
 
-def test_head_dim_256_forward_against_float64_oracle_and_its_gradient_refused():
-    """Head dim 256 has the forward kernel only: out and LSE match the oracle; asking for gradients
-    raises, naming the head dim and the kernel to train with."""
+def test_head_dim_256_against_float64_oracle():
+    """Head dim 256 (the backward whose warpgroups share an item's keys and split its columns): out,
+    LSE and the gradients of q, k, v match the oracle."""
     gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
     b, l, s, hq, hk, d, dtype = 1, 97, 130, 2, 1, 256, jnp.bfloat16
     q, k, v, do, dlse = _inputs(gen, b, l, s, hq, hk, d, dtype)
@@ -124,8 +124,10 @@ def test_head_dim_256_forward_against_float64_oracle_and_its_gradient_refused():
     out, lse = fn(_jax(q, dtype), _jax(k, dtype), _jax(v, dtype))
     assert_dtype_rule("out", from_bthd(_numpy(out)), want[0], low[0].double(), floor=4e-3)
     assert_close_finite("lse", torch.from_numpy(_numpy(lse)).double(), want[1], tol=1e-5)
-    with pytest.raises(ValueError, match=r"head_dim=256: the Hopper backward kernel runs head dims \(64, 128\); hint: use the Triton flash"):
-        jax.grad(lambda q: fn(q, _jax(k, dtype), _jax(v, dtype))[0].astype(jnp.float32).sum())(_jax(q, dtype))
+    _, vjp = jax.vjp(fn, _jax(q, dtype), _jax(k, dtype), _jax(v, dtype))
+    grads = vjp((_jax(do, dtype), jnp.asarray(dlse.numpy(), jnp.float32)))
+    for name, got, ref, theirs in zip(("dq", "dk", "dv"), grads, want[2][:3], low[2][:3]):
+        assert_dtype_rule(name, from_bthd(_numpy(got)), ref, theirs.double(), floor=2e-2)
 
 
 def test_registered_implementation_runs_the_kernels(monkeypatch):
@@ -194,13 +196,11 @@ def test_name_and_alias_resolve():
 
 
 def test_supported_call_has_no_reasons_here():
-    """A bf16 head-dim-128 CUDA call with every declared feature, and one at head dim 256 without
-    gradients: nothing against them on this machine (a CPU, where no device check applies, or a
-    Hopper GPU)."""
+    """A bf16 head-dim-128 CUDA call with every declared feature, and one at head dim 256: nothing
+    against them on this machine (a CPU, where no device check applies, or a Hopper GPU)."""
     features = dict(causal=True, causal_alignment="bottom_right", sliding_window=(64, -1), logits_soft_cap=3.0,
                     softmax_aux=object(), return_lse=True, backward=True)
     assert AttentionRegistry.get("flash_hopper").not_supported_reasons(_inputs_of(**features)) == []
-    del features["backward"]  # head dim 256: the forward only
     assert AttentionRegistry.get("flash_hopper").not_supported_reasons(_inputs_of(d=256, **features)) == []
 
 
@@ -208,7 +208,6 @@ def test_supported_call_has_no_reasons_here():
     (dict(platform="cpu", backend="cpu"), ["platform 'cpu'", "backend 'cpu'"]),
     (dict(backend="rocm"), ["backend 'rocm'"]),
     (dict(d=80), ["head_dim=80"]),
-    (dict(d=256, backward=True), ["head_dim=256 with gradients", "use 'flash' to train"]),
     (dict(dtype=jnp.float32), ["dtype float32"]),
     (dict(mask=object()), ["feature 'bool_mask'"]),
     (dict(bias=object(), dropout=True), ["feature 'bias'", "feature 'dropout'"]),

@@ -107,7 +107,7 @@ def _inputs(gen, b, l, s, hq, hk, d, torch_dtype):
 
 def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
                   d=64, stages=2, dtype=jnp.float16, inputs=None, residuals="reference", head_splits=1, block_q=64,
-                  programs=None):
+                  programs=None, block_kv=None):
     """Runs the backward with the features given on fresh inputs (or `inputs`: q, k, v, do as (B, H, T, D)
     float64) and checks dq, dk, dv (and the sinks' gradient) against the float64 oracle's under the 2x
     rule; rows that see no key get dq exactly 0. `residuals`: whose out and lse the backward reads, the
@@ -132,7 +132,8 @@ def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window
     lse_log2, delta = backward_operands(jout, jdo, jlse)
     got = flash_backward_mgpu(jq, jk, jv, jdo, lse_log2, delta, jnp.zeros(jq.shape, jnp.float32), scale=scale,
                               causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, stages=stages,
-                              head_splits=head_splits, block_q=block_q, programs=programs, interpret=interpret)
+                              head_splits=head_splits, block_q=block_q, programs=programs, interpret=interpret,
+                              block_kv=block_kv or (32 if d == 256 else 64))
     assert [x.shape for x in got] == [jq.shape, jk.shape, jv.shape]
     assert [x.dtype for x in got] == [jnp.float32, jk.dtype, jv.dtype]
     # On the GPU the soft cap's tanh is tanh.approx.f32 (relative error below 2**-10.9): dS's factor
@@ -212,6 +213,17 @@ FEATURE_CASES = [
                                           head_splits=2, programs=3), id="persistent-dq-rows-head-splits-all-features"),
     # keys 128 and up are outside every row's window: their items walk no query block and write zeros
     pytest.param(1, 70, 400, 2, 2, dict(window=(5, 5), programs=3), id="persistent-items-no-row-sees"),
+    # head dim 256: the two warpgroups share an item's 64 keys, each taking 32 rows of a query block's
+    # scores and 128 columns of the gradients (flash_bwd_mgpu_wide.py)
+    pytest.param(1, 97, 130, 4, 2, dict(causal=True, d=256), id="d256-edge-97x130-causal-gqa"),
+    pytest.param(2, 200, 70, 2, 2, dict(causal=True, alignment="bottom_right", d=256, dtype=jnp.bfloat16),
+                 id="d256-causal-br-bf16-empty"),
+    pytest.param(1, 150, 230, 4, 2, dict(window=(24, 8), softcap=4.0, sinks=True, causal=True, d=256,
+                                          alignment="bottom_right", dtype=jnp.bfloat16), id="d256-all-features-gqa-bf16"),
+    pytest.param(1, 200, 260, 2, 1, dict(window=(62, -1), d=256), id="d256-window-left-62"),
+    pytest.param(2, 150, 230, 4, 1, dict(window=(24, 8), softcap=4.0, head_splits=4, d=256),
+                 id="d256-head-splits-4-of-4"),
+    pytest.param(1, 300, 200, 4, 2, dict(causal=True, d=256, programs=3), id="d256-persistent-causal-gqa"),
 ]
 
 
@@ -407,7 +419,8 @@ LOWERING_CASES = [
 
 @pytest.mark.parametrize("kw", LOWERING_CASES)
 # the three dQ paths: each warpgroup its own (64), rows split (64 with 128-row blocks), columns split (128)
-@pytest.mark.parametrize("d, block_q", [(64, 64), (64, 128), (128, 64)], ids=["d64", "d64-dq-rows", "d128"])
+@pytest.mark.parametrize("d, block_q", [(64, 64), (64, 128), (128, 64), (256, 64)],
+                         ids=["d64", "d64-dq-rows", "d128", "d256-wide"])
 @pytest.mark.parametrize("lengths", [(256, 384), (97, 130)], ids=["whole-tiles", "edge-tiles"])
 def test_lowers_for_hopper(kw, d, block_q, lengths):
     """Every feature lowers to one Mosaic GPU kernel on the GPU path (layouts, masks, tanh, the ragged
@@ -419,7 +432,8 @@ def test_lowers_for_hopper(kw, d, block_q, lengths):
     acc = jax.ShapeDtypeStruct(q.shape, jnp.float32)
 
     def backward(q, k, v, do, lse, delta, acc):
-        return flash_backward_mgpu(q, k, v, do, lse, delta, acc, scale=0.1, block_q=block_q, **kw)
+        return flash_backward_mgpu(q, k, v, do, lse, delta, acc, scale=0.1, block_q=block_q,
+                                   block_kv=32 if d == 256 else 64, **kw)
     text = jax.jit(backward).trace(q, k, k, q, rows, rows, acc).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
 
@@ -444,8 +458,8 @@ def test_persistent_grid_lowers_for_hopper(d, block_q, layout):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(d=80), r"head_dim=80: expected one of \(64, 128\)"),
-    (dict(d=256), r"head_dim=256: expected one of \(64, 128\); hint: use the Triton flash kernel"),
+    (dict(d=80), r"head_dim=80: expected one of \(64, 128, 256\); hint: use the Triton flash kernel"),
+    (dict(d=256), r"block_q=64, block_kv=64 at head dim 256: expected 64 and 32"),
     (dict(hk=3, hq=4), r"query heads 4, KV heads 3"),
     (dict(dtype=jnp.float32), r"q.dtype=float32: expected bfloat16 or float16"),
     (dict(l=0), r"query length L=0, key length S=256: expected both at least 1"),

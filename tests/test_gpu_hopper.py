@@ -190,7 +190,8 @@ def _cuda_tensor(gen, b, h, t, d, memory):
     (1, 16, 4, 4097, 4161, True, "BHLD"),   # lengths not whole tiles: padded (one copy), keys masked
     (1, 16, 16, 4161, 2113, False, "BLHD"),  # L > S, both partial
 ])
-@pytest.mark.parametrize("d", [128, 64])  # 64: 128-row query blocks in the backward, dQ's rows split
+# 64: 128-row query blocks in the backward, dQ's rows split; 256: its warpgroups share keys, split columns
+@pytest.mark.parametrize("d", [128, 64, 256])
 def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, causal, memory, d):
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "train", 2048)  # shorter shapes, the same kernels
     monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 2048)
@@ -257,8 +258,8 @@ def test_compiled_drop_in_runs_the_hopper_kernels(monkeypatch, mode):
 ])
 @pytest.mark.parametrize("d", [64, 256])
 def test_drop_in_runs_the_hopper_forward_without_gradients(monkeypatch, dtype, b, hq, hk, l, s, causal, memory, d):
-    """Without gradients, head dim 64 (256-key tiles) and head dim 256 (the forward kernel only) take
-    the Hopper forward."""
+    """Without gradients, head dim 64 (256-key tiles) and head dim 256 take the Hopper forward (and
+    either would take both kernels with gradients)."""
     taken = _count_hopper_calls(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
     q, k, v = (_cuda_tensor(gen, b, h, t, d, memory) for h, t in ((hq, l), (hk, s), (hk, s)))
@@ -273,7 +274,7 @@ def test_drop_in_runs_the_hopper_forward_without_gradients(monkeypatch, dtype, b
     assert err <= 2 * torch_err + 1e-3, (err, torch_err)
     args = (q.to(dtype), k.to(dtype), v.to(dtype), FlashConfig(scale=0.125))
     assert not hopper_flash.hopper_reasons(*args, False)
-    assert bool(hopper_flash.hopper_reasons(*args, True)) == (d == 256)  # no Hopper backward at 256
+    assert not hopper_flash.hopper_reasons(*args, True)
 
 
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
@@ -461,6 +462,9 @@ def test_kernels_run_on_the_current_stream():
     # Head dim 64 over at most 2048 keys: the forward's three compute warpgroups (192-row tiles)
     (8, 2, 1500, 2000, dict(causal=True, sinks=True, window=(700, 0), bottom_right=True, d=64)),
     (8, 8, 2048, 2048, dict(softcap=20.0, causal=True, d=64)),
+    # Head dim 256: the backward whose warpgroups share an item's keys and split its columns
+    (8, 2, 4097, 4161, dict(causal=True, sinks=True, window=(1000, 0), bottom_right=True, d=256)),
+    (8, 4, 4097, 2049, dict(softcap=30.0, causal=True, d=256)),
 ])
 def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dtype, hq, hk, l, s, kw):
     """The Hopper launch the native launcher takes (`hopper_flash`) on a window and/or a soft cap and
@@ -477,6 +481,7 @@ def test_hopper_kernels_with_windows_soft_caps_and_edge_lengths(monkeypatch, dty
     (8, 4, 2056, 1000, dict(softcap=30.0, causal=True)),  # L > S: rows that see every key
     (8, 2, 3000, 5000, dict(softcap=15.0, window=(512, 64), bottom_right=True, sinks=True)),  # all of them
     (8, 8, 1000, 3000, dict(window=(200, 140))),  # keys past the last true row's are loaded for none
+    (8, 4, 2056, 1000, dict(softcap=30.0, causal=True, d=256)),  # head dim 256, L > S
 ])
 def test_lengths_in_whole_tma_tiles_run_in_place(monkeypatch, dtype, hq, hk, l, s, kw):
     """With `calls.HOPPER_TMA_EDGES`, lengths that are whole 8-row TMA tiles but not whole kernel tiles

@@ -1,8 +1,7 @@
 """The Hopper flash kernels (Pallas Mosaic GPU: `flash_fwd_mgpu`, `flash_bwd_mgpu`) launched from torch.
 
 The native launcher runs them in place of the Triton kernels for the calls `hopper_reasons` accepts:
-sm90, bf16/fp16, head dim 64 or 128 (query and value; 256 without gradients: the forward kernel
-only), causal in either alignment or none, sliding
+sm90, bf16/fp16, head dim 64, 128 or 256 (query and value), causal in either alignment or none, sliding
 windows, a logits soft cap, GQA, sinks (one logit per query head; eager calls), no bias, mask,
 dropout or packing, not inside CUDA graph capture (a first launch loads its module), and query and
 key lengths of at least `HOPPER_MIN_LENGTH` (forward only, or with gradients;
@@ -79,8 +78,9 @@ HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
 #: keys (`calls.HOPPER_FORWARD_SHORT`; BENCHMARKS.md "Where the head-dim-128 backward waits"): 113 /
 #: 132 us at (16, 16, 1024, 64), and 122 / 124 in the run before, so 1024 at both head dims.
 #: The head-dim-256 forward (BENCHMARKS.md "Head dim 256: the Hopper forward"): 185.5 / 228.7 us at (16, 8,
-#: 1024, 256).
-HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 1024, 128: 1024, 256: 1024}, train={64: 1024, 128: 1024})
+#: 1024, 256). Its backward (BENCHMARKS.md "A Hopper backward at head dim 256"), forward + backward
+#: Hopper / Triton: 1354 / 1096 us at (16, 8, 1024, 256), 2685 / 3326 at (4, 8, 4096, 256), so 4096.
+HOPPER_MIN_LENGTH_PROGRAM = dict(forward={64: 1024, 128: 1024, 256: 1024}, train={64: 1024, 128: 1024, 256: 4096})
 #: Smaller calls are host-bound on either path, and the Triton path's host time is the shorter.
 HOPPER_MIN_PAIRS_PROGRAM = 8 * 16 * 1024 * 1024
 #: Multiprocessors the interpreted kernels (CPU tensors, tests) take: a few, so that programs walk

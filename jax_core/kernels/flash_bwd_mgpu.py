@@ -3,7 +3,7 @@
 The forward is `flash_fwd_mgpu.py`; this kernel takes its LSE. Imports only JAX.
 
 Arrays, (batch, length, heads, head dim) as TMA wants them:
-    q, do (B, L, Hq, D); k, v (B, S, Hk, D); bf16 or fp16, D 64 or 128; GQA as in the forward, the
+    q, do (B, L, Hq, D); k, v (B, S, Hk, D); bf16 or fp16, D 64, 128 or 256; GQA as in the forward, the
         folded batches too (k, v (Bk, S, Hk, D), query batch b reading KV batch b // (B / Bk)).
     lse_log2 (B, Hq, L) float32: the forward's LSE times log2(e), +inf for a row that saw no key
         (so that its probabilities are exp2(s - inf) = 0, not NaN); `backward_operands` makes it.
@@ -33,7 +33,10 @@ warpgroups store the last item's dK and dV and load its K and V. Per program:
       dQ = dS K read from dS^T in shared memory (`dq_split`). At head dim 128 the two warpgroups
       split dQ's columns (64 each), at head dim 64 with 128-row query blocks its rows (64 each),
       over both warpgroups' keys: one rendezvous per block, half the registers and half the adds.
-      Otherwise (head dim 64, 64-row blocks) each computes dQ over its own keys.
+      Otherwise (head dim 64, 64-row blocks) each computes dQ over its own keys. At head dim 256 one
+      warpgroup's dK and dV would not fit in its registers: there the two share the item's keys
+      (block_kv = 32, items of 64 keys) and split the scores by query rows and the gradients by
+      columns, with one dO slot (`flash_bwd_mgpu_wide.py`).
     * dQ: every program adds its partial dQ into dq_accum by a TMA reduce-add (float32, in L2).
       The sum is therefore not bit-reproducible run to run (the order of the adds varies); the
       Triton kernels remain the deterministic backward.
@@ -94,6 +97,23 @@ def sinks_gradient(sinks, lse, delta):
     return -jnp.einsum("bhl,bhl->h", weight, delta.astype(jnp.float32))
 
 
+def wide(d):
+    """Whether the two compute warpgroups share an item's 2 * block_kv keys and split the head's
+    columns (head dim 256, `flash_bwd_mgpu_wide.py`): there one warpgroup's dK and dV of its own keys
+    (64 x 256 float32 each) would take all of its registers."""
+    return d > COMPUTE_WGS * 64
+
+
+#: Columns of one dQ product (and of the float32 staging tile it leaves through) at head dim 256.
+WIDE_DQ_COLS = 64
+
+
+def do_stages(d, stages):
+    """Slots of the dO ring: `stages`, but one at head dim 256, where a second 32 KiB slot does not
+    fit beside the two Q slots."""
+    return 1 if wide(d) else stages
+
+
 def dq_split(d, block_q):
     """How the two compute warpgroups share a query block's dQ = dS K: "columns" (head dim 128: each
     takes 64 columns, the 128-byte swizzle tile), "rows" (head dim 64 with 128-row query blocks: each
@@ -109,6 +129,8 @@ def dq_split(d, block_q):
 
 def _staging_shape(d, block_q):
     """One compute warpgroup's float32 dQ staging tile: its share of a query block's dQ."""
+    if wide(d):
+        return block_q, WIDE_DQ_COLS
     split = dq_split(d, block_q)
     if split == "columns":
         return block_q, d // COMPUTE_WGS
@@ -119,10 +141,10 @@ def _staging_shape(d, block_q):
 
 def smem_bytes(d, itemsize, *, block_q, block_kv, stages):
     """Shared-memory buffers of one program: K and V of both warpgroups, the Q and dO rings, their
-    LSE and delta slots, dS^T and the float32 dQ staging tiles."""
+    LSE and delta slots, dS^T (at head dim 256, P^T too) and the float32 dQ staging tiles."""
     kv = 2 * COMPUTE_WGS * block_kv * d * itemsize
-    rings = 2 * stages * block_q * (d * itemsize + 4)
-    ds = COMPUTE_WGS * block_kv * block_q * itemsize * (2 if dq_split(d, block_q) else 1)
+    rings = (stages + do_stages(d, stages)) * block_q * (d * itemsize + 4)
+    ds = COMPUTE_WGS * block_kv * block_q * itemsize * (2 if wide(d) or dq_split(d, block_q) else 1)
     rows, cols = _staging_shape(d, block_q)
     return kv + rings + ds + COMPUTE_WGS * rows * cols * 4
 
@@ -135,7 +157,7 @@ def out_staging(d, itemsize, *, block_q, block_kv, stages, splits):
     rows, cols = _staging_shape(d, block_q)
     grown = max(0, 2 * block_kv * d * itemsize - rows * cols * 4) * COMPUTE_WGS
     need = smem_bytes(d, itemsize, block_q=block_q, block_kv=block_kv, stages=stages) + grown
-    return splits == 1 and need <= SMEM_BYTES - SMEM_RESERVE
+    return splits == 1 and not wide(d) and need <= SMEM_BYTES - SMEM_RESERVE
 
 
 def _check(q, k, v, do, lse_log2, delta, dq_accum, *, scale, diag_offset, window, softcap, block_q, block_kv,
@@ -144,8 +166,12 @@ def _check(q, k, v, do, lse_log2, delta, dq_accum, *, scale, diag_offset, window
     delta have L rounded up to a multiple of `row_tile` rows."""
     check_arrays(q, k, v, head_dims=BACKWARD_HEAD_DIMS)
     check_backward_operands(q, do, lse_log2, delta, dq_accum, row_tile=row_tile)
-    check_blocks(block_q, block_kv, stages)
     d = q.shape[3]
+    check_blocks(block_q, block_kv, stages, kv_multiple=32 if wide(d) else 64)
+    if wide(d) and (block_q, block_kv) != (64, 32):
+        raise ValueError(f"block_q={block_q}, block_kv={block_kv} at head dim {d}: expected 64 and 32 (the two "
+                         "warpgroups share an item's 64 keys, each taking 32 of a query block's 64 rows); hint: "
+                         "calls.hopper_tiles('backward', 256, ...)")
     need = smem_bytes(d, jnp.dtype(q.dtype).itemsize, block_q=block_q, block_kv=block_kv, stages=stages)
     if need > SMEM_BYTES - SMEM_RESERVE:
         raise ValueError(f"stages={stages}, block_q={block_q}, block_kv={block_kv}, head_dim={d}: {need} bytes "
@@ -223,12 +249,18 @@ class _Settings(NamedTuple):
     block_kv: int
     stages: int
     out_staging: bool  # dK and dV leave through the dQ staging tiles' memory (`out_staging`)
+    wide: bool  # the warpgroups share an item's keys and split its columns (`wide`)
     group: int  # query heads per KV head
     batches: int  # query batches per KV batch (`batch_group`: (batch, head) pairs folded into the batch)
     splits: int  # items per (KV batch and head, key block) that share its query sources (`head_splits`)
     num_q_blocks: int
     items: _Items
     interpret: object  # interpret-mode parameters, or None on the GPU
+
+    @property
+    def do_stages(self):
+        """Slots of the dO (and delta) ring (`do_stages`)."""
+        return 1 if self.wide else self.stages
 
     @property
     def ragged_end(self):
@@ -249,6 +281,9 @@ class _Settings(NamedTuple):
 def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg: _Settings):
     d, dtype = q_ref.shape[-1], q_ref.dtype
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    if cfg.wide:
+        _program_wide(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, cfg=cfg)
+        return
     # 128-byte rows in 128-byte swizzled tiles, the layout TMA writes and wgmma reads without bank
     # conflicts (as in the forward).
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -280,6 +315,41 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
     pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, cfg), smem, barriers, collective_axes="wg")
 
 
+def _program_wide(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg: _Settings):
+    """`_program` at head dim 256 (`flash_bwd_mgpu_wide.py`): the item's K and V in column halves (each
+    compute warpgroup loads and stores one: a TMA copy wants contiguous shared memory), one dO slot,
+    P^T and dS^T tiles both warpgroups write half of. 64-byte swizzle throughout: a warpgroup's 32
+    query rows of P^T and dS^T are whole 64-byte tiles, and wgmma wants both operands in one swizzle."""
+    d, dtype = q_ref.shape[-1], q_ref.dtype
+    block_q, keys, stages, do_slots = cfg.block_q, COMPUTE_WGS * cfg.block_kv, cfg.stages, cfg.do_stages
+    tiled = dict(transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64)))
+    smem = (
+        plgpu.SMEM((COMPUTE_WGS, keys, d // COMPUTE_WGS), dtype, **tiled),  # K by column halves, then dK
+        plgpu.SMEM((COMPUTE_WGS, keys, d // COMPUTE_WGS), dtype, **tiled),  # V, then dV
+        plgpu.SMEM((stages, block_q, d), dtype, **tiled),  # Q ring
+        plgpu.SMEM((do_slots, block_q, d), dtype, **tiled),  # dO ring
+        plgpu.SMEM((stages, block_q), jnp.float32),  # LSE ring
+        plgpu.SMEM((do_slots, block_q), jnp.float32),  # delta ring (with dO)
+        plgpu.SMEM((2, keys, block_q), dtype, **tiled),  # P^T and dS^T
+        plgpu.SMEM((COMPUTE_WGS, *_staging_shape(d, block_q)), jnp.float32),  # dQ staging, per warpgroup
+    )
+    barriers = dict(
+        k_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),  # per column half
+        v_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        q_ready=plgpu.Barrier(num_barriers=stages),
+        do_ready=plgpu.Barrier(num_barriers=do_slots),
+        lse_ready=plgpu.Barrier(num_barriers=stages),
+        delta_ready=plgpu.Barrier(num_barriers=do_slots),
+        q_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        do_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=do_slots),
+        pds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both halves of P^T and dS^T written
+        pds_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both warpgroups done reading them
+        kv_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both done reading an item's K and V
+    )
+    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref)
+    pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, cfg), smem, barriers, collective_axes="wg")
+
+
 def _staging(d, dtype, block_q, block_kv, union, tiled, *, on_gpu):
     """The float32 dQ staging tile of each compute warpgroup; with `union`, sharing its memory with
     each warpgroup's dK and dV tiles (2, block_kv, d) on their way out (warpgroup w's tiles lie in
@@ -298,7 +368,12 @@ def _warpgroups(refs, bufs, bars, cfg: _Settings):
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(240, action="increase")
-        _compute(refs, bufs, bars, cfg, program=program, wg=wg)
+        if cfg.wide:
+            from .flash_bwd_mgpu_wide import compute_wide
+
+            compute_wide(refs, bufs, bars, cfg, program=program, wg=wg)
+        else:
+            _compute(refs, bufs, bars, cfg, program=program, wg=wg)
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
@@ -344,7 +419,7 @@ def _item(program, j, cfg: _Settings):
 
 
 def _memory(refs, bufs, bars, cfg: _Settings, *, program):
-    block_q, stages = cfg.block_q, cfg.stages
+    block_q, stages, do_slots = cfg.block_q, cfg.stages, cfg.do_stages
     q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
     _, _, q_smem, do_smem, lse_smem, delta_smem = bufs[:6]
 
@@ -357,6 +432,7 @@ def _memory(refs, bufs, bars, cfg: _Settings, *, program):
         def _(step):
             n = loaded + step
             slot = lax.rem(n, jnp.int32(stages))
+            do_slot = slot if do_slots == stages else lax.rem(n, jnp.int32(do_slots))
             q_batch, head, rows = it.block(step, cfg)
             block = (q_batch, pl.ds(rows, block_q), head)
             vector = (q_batch, head, pl.ds(rows, block_q))
@@ -367,11 +443,11 @@ def _memory(refs, bufs, bars, cfg: _Settings, *, program):
             plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[slot], bars["q_ready"].at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], bars["lse_ready"].at[slot])
 
-            @pl.when(n >= stages)
+            @pl.when(n >= do_slots)
             def _():
-                plgpu.barrier_wait(bars["do_free"].at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[block], do_smem.at[slot], bars["do_ready"].at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[slot], bars["delta_ready"].at[slot])
+                plgpu.barrier_wait(bars["do_free"].at[do_slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[block], do_smem.at[do_slot], bars["do_ready"].at[do_slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[do_slot], bars["delta_ready"].at[do_slot])
         return loaded + it.steps(cfg)
 
     loaded = lax.fori_loop(0, cfg.items.count(program), item, jnp.int32(0))
@@ -379,9 +455,11 @@ def _memory(refs, bufs, bars, cfg: _Settings, *, program):
     # Observe the last releases too, so that every barrier phase is consumed before the barriers go.
     @pl.loop(jnp.maximum(loaded - stages, 0), loaded)
     def _(n):
-        slot = lax.rem(n, jnp.int32(stages))
-        plgpu.barrier_wait(bars["q_free"].at[slot])
-        plgpu.barrier_wait(bars["do_free"].at[slot])
+        plgpu.barrier_wait(bars["q_free"].at[lax.rem(n, jnp.int32(stages))])
+
+    @pl.loop(jnp.maximum(loaded - do_slots, 0), loaded)
+    def _(n):
+        plgpu.barrier_wait(bars["do_free"].at[lax.rem(n, jnp.int32(do_slots))])
 
 
 # Mosaic GPU's interpreter (jax 0.10 to 0.11) has no layouts, no wgmma on a transposed or register
@@ -758,7 +836,7 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
                          f"(Hq / Hk = {group}, times query batches per KV batch {batches}); hint: 1 walks them all "
                          "in one item")
     staging_rows = _staging_shape(q.shape[3], block_q)[0]
-    if head_splits > 1 and staging_rows != block_kv:
+    if head_splits > 1 and staging_rows != block_kv * (COMPUTE_WGS if wide(q.shape[3]) else 1):
         raise ValueError(f"head_splits={head_splits} with block_q={block_q}, block_kv={block_kv}, head dim "
                          f"{q.shape[3]}: expected a dQ staging tile of block_kv rows (it has {staging_rows}; the "
                          "partial dK, dV leave through it); hint: block_q == block_kv, or head_splits=1")
@@ -769,7 +847,7 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
-                     stages=stages, group=group, batches=batches, splits=head_splits,
+                     stages=stages, group=group, batches=batches, splits=head_splits, wide=wide(q.shape[3]),
                      out_staging=out_staging(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q=block_q,
                                              block_kv=block_kv, stages=stages, splits=head_splits),
                      num_q_blocks=pl.cdiv(q.shape[1], block_q),

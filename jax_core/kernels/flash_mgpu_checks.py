@@ -16,10 +16,10 @@ COMPUTE_WGS = 2
 #: (three 64-row tiles at 160 registers a thread: the 64 x 64 accumulator beside the scores).
 FORWARD_COMPUTE_WGS = (2, 3)
 THREE_WG_HEAD_DIMS = (64,)
-#: Head dims of the forward and of the backward (whose per-warpgroup dK and dV tiles at 256 would not
-#: fit beside the query-block rings).
+#: Head dims of the forward and of the backward (at 256 its two compute warpgroups share an item's keys
+#: and split the head's columns: `flash_bwd_mgpu_wide.py`).
 FORWARD_HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 128, 256)
 #: Shared memory one thread block may use on sm90, and what the kernel keeps free of its buffers.
 SMEM_BYTES = 232448
 SMEM_RESERVE = 4096
@@ -51,11 +51,12 @@ def check_arrays(q, k, v, *, head_dims):
         raise ValueError(f"query heads {hq}, KV heads {k.shape[2]}: expected a multiple (GQA)")
 
 
-def check_blocks(block_q, block_kv, stages):
-    """Tile sizes and pipeline depth (both kernels)."""
-    if block_q % 64 or block_kv % 64 or block_q <= 0 or block_kv <= 0:
-        raise ValueError(f"block_q={block_q}, block_kv={block_kv}: expected positive multiples of 64 "
-                         "(a wgmma tile is 64 rows)")
+def check_blocks(block_q, block_kv, stages, *, kv_multiple=64):
+    """Tile sizes and pipeline depth (both kernels; the backward's key blocks at head dim 256 are
+    32-key halves of a 64-row tile, `kv_multiple` 32)."""
+    if block_q % 64 or block_kv % kv_multiple or block_q <= 0 or block_kv <= 0:
+        raise ValueError(f"block_q={block_q}, block_kv={block_kv}: expected positive multiples of 64 and "
+                         f"{kv_multiple} (a wgmma tile is 64 rows)")
     if stages < 2:
         raise ValueError(f"stages={stages}: expected at least 2 (one slot loading while one is read)")
 
