@@ -140,8 +140,8 @@ def plan(size: str, device: str) -> Plan:
         c = ModelSpec("C", 2048, 16, 16, 8, 5632, 32000, cases=((1, 8192), (1, 16384)))
         return Plan("long", dtype, (c,), prompt_len=128, new_tokens=32)
     if size == "wide":
-        # Head dim 256 (as Gemma 2 and 3): the Hopper forward runs its prefill on sm90; training, which has
-        # no Hopper backward at this head dim, stays on the Triton kernels.
+        # Head dim 256 (as Gemma 2 and 3): on sm90 the Hopper forward runs its prefill and both Hopper
+        # kernels its training (the backward whose warpgroups split the head's columns).
         d = ModelSpec("D", 2048, 16, 8, 4, 5632, 32000, cases=((2, 4096), (1, 8192)))
         return Plan("wide", dtype, (d,), prompt_len=128, new_tokens=32)
     raise ValueError(f"size={size!r}: expected one of {SIZES}.")
