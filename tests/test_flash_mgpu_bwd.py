@@ -460,6 +460,8 @@ def test_persistent_grid_lowers_for_hopper(d, block_q, layout):
 @pytest.mark.parametrize("kw, match", [
     (dict(d=80), r"head_dim=80: expected one of \(64, 128, 256\); hint: use the Triton flash kernel"),
     (dict(d=256), r"block_q=64, block_kv=64 at head dim 256: expected 64 and 32"),
+    # head dim 256 fits two Q slots and one dO slot (213,760 bytes), not a third Q slot
+    (dict(d=256, block_kv=32, stages=3), r"stages=3, block_q=64, block_kv=32, head_dim=256: 246784 bytes of shared"),
     (dict(hk=3, hq=4), r"query heads 4, KV heads 3"),
     (dict(dtype=jnp.float32), r"q.dtype=float32: expected bfloat16 or float16"),
     (dict(l=0), r"query length L=0, key length S=256: expected both at least 1"),
