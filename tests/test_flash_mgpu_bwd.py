@@ -13,7 +13,7 @@ The residuals the kernel reads (out, lse) come from the float64 reference, so a 
 backward alone; one test feeds it the Mosaic forward's instead. Features and edge tiles (any L, S;
 windows in both alignments; soft cap; sinks' gradient; GQA; their combinations; rows that see no key)
 have their own oracle tests; `test_lowers_for_hopper` lowers every feature's kernel to Mosaic GPU at
-head dims 64 and 128 (no GPU needed), which the interpreter does not.
+head dims 64, 128 and 256 (no GPU needed), which the interpreter does not.
 """
 
 import numpy as np
