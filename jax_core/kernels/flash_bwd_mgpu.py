@@ -250,17 +250,13 @@ class _Settings(NamedTuple):
     stages: int
     out_staging: bool  # dK and dV leave through the dQ staging tiles' memory (`out_staging`)
     wide: bool  # the warpgroups share an item's keys and split its columns (`wide`)
+    do_stages: int  # slots of the dO (and delta) ring (`do_stages`)
     group: int  # query heads per KV head
     batches: int  # query batches per KV batch (`batch_group`: (batch, head) pairs folded into the batch)
     splits: int  # items per (KV batch and head, key block) that share its query sources (`head_splits`)
     num_q_blocks: int
     items: _Items
     interpret: object  # interpret-mode parameters, or None on the GPU
-
-    @property
-    def do_stages(self):
-        """Slots of the dO (and delta) ring (`do_stages`)."""
-        return 1 if self.wide else self.stages
 
     @property
     def ragged_end(self):
@@ -299,20 +295,26 @@ def _program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv
         plgpu.SMEM(((2,) if dq_split(d, block_q) else ()) + (COMPUTE_WGS, block_kv, block_q), dtype, **tiled),
         _staging(d, dtype, block_q, block_kv, cfg.out_staging, tiled, on_gpu=cfg.interpret is None),
     )
-    barriers = dict(
-        # Per compute warpgroup, one for K and one for V: both tiles load at once.
+    barriers = dict(_ring_barriers(cfg), ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
+    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref)
+    pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, cfg), smem, barriers, collective_axes="wg")
+
+
+def _ring_barriers(cfg: _Settings):
+    """The barriers of the K and V loads (one per compute warpgroup, K and V apart so both load at
+    once) and of the Q, dO, LSE and delta rings (ready per slot; free per slot, one arrival per
+    compute warpgroup)."""
+    stages, do_slots = cfg.stages, cfg.do_stages
+    return dict(
         k_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         v_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         q_ready=plgpu.Barrier(num_barriers=stages),
-        do_ready=plgpu.Barrier(num_barriers=stages),
+        do_ready=plgpu.Barrier(num_barriers=do_slots),
         lse_ready=plgpu.Barrier(num_barriers=stages),
-        delta_ready=plgpu.Barrier(num_barriers=stages),
+        delta_ready=plgpu.Barrier(num_barriers=do_slots),
         q_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-        do_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-        ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        do_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=do_slots),
     )
-    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref)
-    pl.run_scoped(lambda bufs, bars: _warpgroups(refs, bufs, bars, cfg), smem, barriers, collective_axes="wg")
 
 
 def _program_wide(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, cfg: _Settings):
@@ -334,14 +336,7 @@ def _program_wide(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
         plgpu.SMEM((COMPUTE_WGS, *_staging_shape(d, block_q)), jnp.float32),  # dQ staging, per warpgroup
     )
     barriers = dict(
-        k_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),  # per column half
-        v_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
-        q_ready=plgpu.Barrier(num_barriers=stages),
-        do_ready=plgpu.Barrier(num_barriers=do_slots),
-        lse_ready=plgpu.Barrier(num_barriers=stages),
-        delta_ready=plgpu.Barrier(num_barriers=do_slots),
-        q_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-        do_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=do_slots),
+        _ring_barriers(cfg),
         pds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both halves of P^T and dS^T written
         pds_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both warpgroups done reading them
         kv_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both done reading an item's K and V
@@ -629,20 +624,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
             return dk, dv
 
         zeros = _layout(jnp.zeros((block_kv, d), jnp.float32), on_gpu=on_gpu)
-        carry = (zeros, zeros)
-        # Per query source, steps [0, lo) and [hi, per_head) cross a band edge (or hold keys past kv_len).
-        lo, hi = it.walk.full_lo - it.walk.first, it.walk.full_hi - it.walk.first
-
-        def source_walk(g, carry):
-            base = g * it.walk.per_head
-            if cfg.right is not None or cfg.ragged_end:
-                carry = lax.fori_loop(base, base + lo, functools.partial(q_step, masked=True), carry)
-            carry = lax.fori_loop(base + lo, base + hi, functools.partial(q_step, masked=False), carry)
-            if cfg.left is not None:
-                carry = lax.fori_loop(base + hi, base + it.walk.per_head, functools.partial(q_step, masked=True), carry)
-            return carry
-
-        dk, dv = lax.fori_loop(0, cfg.sources_per_item, source_walk, carry)
+        dk, dv = _walk_item(it, cfg, q_step, (zeros, zeros))
         if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
             plgpu.barrier_arrive(bars["ds_ready"])
             plgpu.barrier_wait(bars["ds_ready"])
@@ -680,6 +662,24 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
 
     lax.fori_loop(0, items, item, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
+
+
+def _walk_item(it, cfg: _Settings, q_step, carry):
+    """`carry` through q_step(step, carry, masked=...) over the item's query blocks, source after
+    source: per source, steps [0, lo) and [hi, per_head) cross a band edge (or hold keys past kv_len)
+    and are masked, the others not."""
+    lo, hi = it.walk.full_lo - it.walk.first, it.walk.full_hi - it.walk.first
+
+    def source_walk(g, carry):
+        base = g * it.walk.per_head
+        if cfg.right is not None or cfg.ragged_end:
+            carry = lax.fori_loop(base, base + lo, functools.partial(q_step, masked=True), carry)
+        carry = lax.fori_loop(base + lo, base + hi, functools.partial(q_step, masked=False), carry)
+        if cfg.left is not None:
+            carry = lax.fori_loop(base + hi, base + it.walk.per_head, functools.partial(q_step, masked=True), carry)
+        return carry
+
+    return lax.fori_loop(0, cfg.sources_per_item, source_walk, carry)
 
 
 def _per_step(index, step):
@@ -848,6 +848,7 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, batches=batches, splits=head_splits, wide=wide(q.shape[3]),
+                     do_stages=do_stages(q.shape[3], stages),
                      out_staging=out_staging(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q=block_q,
                                              block_kv=block_kv, stages=stages, splits=head_splits),
                      num_q_blocks=pl.cdiv(q.shape[1], block_q),

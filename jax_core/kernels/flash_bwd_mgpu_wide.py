@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_bwd_mgpu import (COMPUTE_WGS, LOG2E, WIDE_DQ_COLS, _capped, _hide, _item, _layout, _load_vector, _mma,
-                             _per_step, _soft_cap, _store_dq, _T)
+                             _per_step, _soft_cap, _store_dq, _T, _walk_item)
 
 
 def compute_wide(refs, bufs, bars, cfg, *, program, wg):
@@ -121,18 +121,7 @@ def _walk(refs, bufs, bars, cfg, *, program, w, wg):
             return dk, dv
 
         zeros = _layout(jnp.zeros((keys, half), jnp.float32), on_gpu=on_gpu)
-        lo, hi = it.walk.full_lo - it.walk.first, it.walk.full_hi - it.walk.first
-
-        def source_walk(g, carry):
-            base = g * it.walk.per_head
-            if cfg.right is not None or cfg.ragged_end:
-                carry = lax.fori_loop(base, base + lo, functools.partial(q_step, masked=True), carry)
-            carry = lax.fori_loop(base + lo, base + hi, functools.partial(q_step, masked=False), carry)
-            if cfg.left is not None:
-                carry = lax.fori_loop(base + hi, base + it.walk.per_head, functools.partial(q_step, masked=True), carry)
-            return carry
-
-        dk, dv = lax.fori_loop(0, cfg.sources_per_item, source_walk, (zeros, zeros))
+        dk, dv = _walk_item(it, cfg, q_step, (zeros, zeros))
         plgpu.barrier_arrive(bars["kv_free"])  # the other warpgroup is done reading K and V
         plgpu.barrier_wait(bars["kv_free"])
         out_block = (it.batch, pl.ds(it.kv_start, keys), it.kv_head)
