@@ -55,6 +55,8 @@ Features, compiled in (none of them costs anything when unused), as in the forwa
       tanh recomputed from S^T. The LSE must be the forward's with the same cap.
     * attention sinks need nothing in the kernel (the forward's LSE includes them); their gradient
       is `sinks_gradient`, plain JAX ops like `backward_operands`.
+The steps of a query block and of an item carry names (`jax.named_scope`: the softmax, each product,
+each wait) for Mosaic GPU's in-kernel profiler (`mgpu_timeline.recorded`); without it they emit nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
 from .flash_mgpu_checks import (BACKWARD_HEAD_DIMS, batch_group, check_arrays, check_backward_operands, check_blocks,
                                 check_features, check_whole_tiles)
+from .mgpu_timeline import compiler_params
 from .persistent_waves import DealtWork, Waves, waves
 
 LOG2E = math.log2(math.e)
@@ -555,8 +558,9 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                 def _():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             load_kv(j)
-        plgpu.barrier_wait(bars["k_ready"].at[wg])
-        plgpu.barrier_wait(bars["v_ready"].at[wg])
+        with jax.named_scope("kv_wait"):
+            plgpu.barrier_wait(bars["k_ready"].at[wg])
+            plgpu.barrier_wait(bars["v_ready"].at[wg])
 
         def q_step(step, carry, *, masked):
             dk, dv = carry
@@ -565,43 +569,52 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
             own = _per_step(wg, n)  # == wg; see `_per_step`
             k_smem, v_smem = k_all.at[own], v_all.at[own]
             q_batch, head, rows = it.block(step, cfg)
-            plgpu.barrier_wait(bars["q_ready"].at[slot])
-            plgpu.barrier_wait(bars["lse_ready"].at[slot])
+            with jax.named_scope("q_wait"):
+                plgpu.barrier_wait(bars["q_ready"].at[slot])
+                plgpu.barrier_wait(bars["lse_ready"].at[slot])
+                plgpu.barrier_wait(bars["do_ready"].at[slot])
             q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
-
-            plgpu.barrier_wait(bars["do_ready"].at[slot])
             # S^T = K Q^T and dP^T = V dO^T: both (block_kv, block_q), issued together.
-            s_t, dp_t = _mma(((block_kv, block_q), k_smem, _T(q_slot)), ((block_kv, block_q), v_smem, _T(do_slot)),
-                             on_gpu=on_gpu)
-            lse = _load_vector(lse_smem.at[slot], on_gpu=on_gpu)
-            s_t, cap_grad = _soft_cap(s_t, cfg)
-            p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-            if masked:
-                p_t = _hide(p_t, rows, keys, cfg, on_gpu=on_gpu)
-            plgpu.barrier_wait(bars["delta_ready"].at[slot])
-            delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
-            ds16 = _capped((p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])), cap_grad).astype(dtype)
-            p16 = p_t.astype(dtype)
+            with jax.named_scope("s_dp"):
+                s_t, dp_t = _mma(((block_kv, block_q), k_smem, _T(q_slot)),
+                                 ((block_kv, block_q), v_smem, _T(do_slot)), on_gpu=on_gpu)
+            with jax.named_scope("softmax"):
+                lse = _load_vector(lse_smem.at[slot], on_gpu=on_gpu)
+                s_t, cap_grad = _soft_cap(s_t, cfg)
+                p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+                if masked:
+                    p_t = _hide(p_t, rows, keys, cfg, on_gpu=on_gpu)
+                plgpu.barrier_wait(bars["delta_ready"].at[slot])
+                delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
+                ds = (p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+                ds16 = _capped(ds, cap_grad).astype(dtype)
+                p16 = p_t.astype(dtype)
             dq_rows = (q_batch, pl.ds(rows, block_q), head)
             if not split:
                 # dS^T to shared memory, where the dQ product reads it transposed.
                 ds_smem = ds_all.at[wg]
-                ds_smem[...] = ds16
-                plgpu.commit_smem()
+                with jax.named_scope("ds_store"):
+                    ds_smem[...] = ds16
+                    plgpu.commit_smem()
                 # dV += P^T dO, dK += dS^T Q, and this warpgroup's keys' share of dQ, dS K: issued together.
-                dv, dk, dq = _mma((dv, p16, do_slot), (dk, ds16, q_slot), ((block_q, d), _T(ds_smem), k_smem),
-                                  on_gpu=on_gpu)
+                with jax.named_scope("dv_dk_dq"):
+                    dv, dk, dq = _mma((dv, p16, do_slot), (dk, ds16, q_slot), ((block_q, d), _T(ds_smem), k_smem),
+                                      on_gpu=on_gpu)
                 plgpu.barrier_arrive(bars["do_free"].at[slot])
                 plgpu.barrier_arrive(bars["q_free"].at[slot])
-                _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (wg, *dq_rows)], on_gpu=on_gpu)
+                with jax.named_scope("dq_add"):
+                    _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (wg, *dq_rows)], on_gpu=on_gpu)
                 return dk, dv
             ds_both = ds_all.at[lax.rem(n, 2)]
-            ds_both.at[wg][...] = ds16
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(bars["ds_ready"])
-            dv, dk = _mma((dv, p16, do_slot), (dk, ds16, q_slot), on_gpu=on_gpu)
+            with jax.named_scope("ds_store"):
+                ds_both.at[wg][...] = ds16
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bars["ds_ready"])
+            with jax.named_scope("dv_dk"):
+                dv, dk = _mma((dv, p16, do_slot), (dk, ds16, q_slot), on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["do_free"].at[slot])
-            plgpu.barrier_wait(bars["ds_ready"])  # the other warpgroup's dS^T is in shared memory too
+            with jax.named_scope("ds_wait"):  # the other warpgroup's dS^T is in shared memory too
+                plgpu.barrier_wait(bars["ds_ready"])
             assert COMPUTE_WGS == 2
             for w in range(COMPUTE_WGS):  # static slices (swizzle tiles), one branch per warpgroup
                 @pl.when(wg == w)
@@ -618,46 +631,50 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                         ds_parts = tuple(_T(ds_both.at[u, :, half]) for u in both)
                         k_parts = tuple(k_all.at[u] for u in both)
                         target = (q_batch, pl.ds(rows + w * (block_q // 2), block_q // 2), head)
-                    dq, = _mma((dq_smem.shape, ds_parts, k_parts), on_gpu=on_gpu)
-                    _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
+                    with jax.named_scope("dq"):
+                        dq, = _mma((dq_smem.shape, ds_parts, k_parts), on_gpu=on_gpu)
+                    with jax.named_scope("dq_add"):
+                        _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["q_free"].at[slot])
             return dk, dv
 
         zeros = _layout(jnp.zeros((block_kv, d), jnp.float32), on_gpu=on_gpu)
         dk, dv = _walk_item(it, cfg, q_step, (zeros, zeros))
-        if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
-            plgpu.barrier_arrive(bars["ds_ready"])
-            plgpu.barrier_wait(bars["ds_ready"])
-        if early_kv:
-            pl.when(j + 1 < items)(lambda: load_kv(j + 1))
-        out_block = (batch, pl.ds(keys, block_kv), kv_head)
-        if cfg.out_staging:  # through the staging tile's memory, once the last dQ add has read it
-            if on_gpu:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out_smem.at[0][...] = dk.astype(dtype)
-            out_smem.at[1][...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[0], dk_ref.at[out_block])
-            plgpu.copy_smem_to_gmem(out_smem.at[1], dv_ref.at[out_block])
-        elif cfg.splits == 1:  # K and V are no longer read: their tiles take dK and dV on the way out
-            k_smem[...] = dk.astype(dtype)
-            v_smem[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
-            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
-        else:  # this split's float32 partial sums, column block by column block through the dQ staging tile
-            width = dq_smem.shape[-1]
-            for acc, out in ((dk, dk_ref), (dv, dv_ref)):
-                for c in range(0, d, width):
-                    if on_gpu:
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous copy has read it
-                    dq_smem[...] = acc[:, c:c + width]
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(dq_smem, out.at[part, batch, pl.ds(keys, block_kv), kv_head, pl.ds(c, width)])
-                    if not on_gpu:
-                        plgpu.wait_smem_to_gmem(0)
-        if not on_gpu:  # the interpreter's copies complete here (on the GPU the next item waits)
-            plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("kv_out"):  # the walk ends: dK and dV leave
+            if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
+                plgpu.barrier_arrive(bars["ds_ready"])
+                plgpu.barrier_wait(bars["ds_ready"])
+            if early_kv:
+                pl.when(j + 1 < items)(lambda: load_kv(j + 1))
+            out_block = (batch, pl.ds(keys, block_kv), kv_head)
+            if cfg.out_staging:  # through the staging tile's memory, once the last dQ add has read it
+                if on_gpu:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_smem.at[0][...] = dk.astype(dtype)
+                out_smem.at[1][...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[0], dk_ref.at[out_block])
+                plgpu.copy_smem_to_gmem(out_smem.at[1], dv_ref.at[out_block])
+            elif cfg.splits == 1:  # K and V are no longer read: their tiles take dK and dV on the way out
+                k_smem[...] = dk.astype(dtype)
+                v_smem[...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_block])
+                plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_block])
+            else:  # this split's float32 partial sums, column block by column block through the dQ staging tile
+                width = dq_smem.shape[-1]
+                for acc, out in ((dk, dk_ref), (dv, dv_ref)):
+                    for c in range(0, d, width):
+                        if on_gpu:
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous copy has read it
+                        dq_smem[...] = acc[:, c:c + width]
+                        plgpu.commit_smem()
+                        target = out.at[part, batch, pl.ds(keys, block_kv), kv_head, pl.ds(c, width)]
+                        plgpu.copy_smem_to_gmem(dq_smem, target)
+                        if not on_gpu:
+                            plgpu.wait_smem_to_gmem(0)
+            if not on_gpu:  # the interpreter's copies complete here (on the GPU the next item waits)
+                plgpu.wait_smem_to_gmem(0)
         return loaded + it.steps(cfg)
 
     lax.fori_loop(0, items, item, jnp.int32(0))
@@ -866,7 +883,8 @@ def _launch(q, k, v, do, lse_log2, delta, dq_accum, *, cfg: _Settings):
     else:  # float32 partial sums per split (every element written by one program)
         grads_kv = (jax.ShapeDtypeStruct((cfg.splits, *k.shape), jnp.float32),
                     jax.ShapeDtypeStruct((cfg.splits, *v.shape), jnp.float32))
-    kernel = functools.partial(pl.kernel, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True))
+    kernel = functools.partial(pl.kernel, mesh=mesh,
+                               compiler_params=compiler_params(interpret=interpret, approx_math=True))
     if interpret is None:  # dq_accum goes in as a mutable ref: the kernel adds into it in place
         run = kernel(lambda *refs: _program(*refs, cfg=cfg), out_type=grads_kv)
         dq_ref = jax.new_ref(dq_accum)

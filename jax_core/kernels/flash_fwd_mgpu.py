@@ -48,6 +48,8 @@ kernel with the true key count `kv_len` (keys past it are masked in the last key
 slices the padded query rows off. `flash_forward_mgpu_tiles` is the bare kernel call on whole
 tiles, for launchers (such as `plgpu.as_torch_kernel`) that pad themselves; `padded_lengths`
 says to what.
+The steps of a block and of a tile carry names (`jax.named_scope`: the softmax, each product, each
+wait) for Mosaic GPU's in-kernel profiler (`mgpu_timeline.recorded`); without it they emit nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
 from .flash_mgpu_checks import (FORWARD_HEAD_DIMS, batch_group, check_arrays, check_blocks, check_compute_wgs,
                                 check_features, check_tiling, check_whole_tiles, forward_q_slots)
+from .mgpu_timeline import compiler_params
 from .persistent_waves import DealtWork, Waves, waves
 
 LOG2E = math.log2(math.e)
@@ -286,6 +289,7 @@ def _memory(q_ref, k_ref, v_ref, bufs, bars, *, program, tiles, band, group, bat
             keys = (kv_batch, pl.ds(i * block_kv, block_kv), kv_head)
 
             @pl.when(n >= stages)  # the slot's previous block must have been read by both
+            @jax.named_scope("slot_wait")
             def _():
                 plgpu.barrier_wait(bars["k_free"].at[slot])
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], bars["k_ready"].at[slot])
@@ -423,7 +427,7 @@ def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, interpret):
         grid_names=("programs",),
         num_threads=band.wgs + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(interpret=interpret, approx_math=True),
         interpret=interpret,
     )
     return call(q, k, v) if sinks is None else call(q, k, v, sinks)
@@ -451,7 +455,8 @@ def _scores(q_smem, k_slot, after_issue, *, on_gpu):
     def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
         after_issue()
-        return acc_ref[...]
+        with jax.named_scope("scores_wait"):
+            return acc_ref[...]
     if on_gpu:
         return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_slot.shape[0]), jnp.float32))
     after_issue()
@@ -537,7 +542,8 @@ class _Turns:
 
     def after_scores(self):
         """Q K^T issued: another warpgroup's turn."""
-        self._give() if self.wgs > 2 else self._meet()
+        with jax.named_scope("turn_after_scores"):
+            self._give() if self.wgs > 2 else self._meet()
 
     def before_pv(self, v_ready):
         """The softmax done: waits for the V block (`v_ready`) and the turn."""
@@ -613,27 +619,31 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             slot = ring_slot(i)
             k_slot, v_slot = (ref.at[slot] if keys == block_kv else ref.at[slot, pl.ds(0, keys)]
                               for ref in (k_smem, v_smem))
-            plgpu.barrier_wait(bars["k_ready"].at[slot])
+            with jax.named_scope("k_wait"):
+                plgpu.barrier_wait(bars["k_ready"].at[slot])
 
             # The turn passes once the matmul is issued: another warpgroup may then issue its own.
             s = _scores(qo_smem, k_slot, turns.after_scores, on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["k_free"].at[slot])
-            if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
-                s = jnp.tanh(s * (scale / softcap))
-            if masked:
-                s = _mask(s, i, rows, band, on_gpu=on_gpu)
-            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(dtype)
-            # Finish the softmax before handing the tensor cores over, rather than letting the compiler
-            # sink part of it past the barrier into the other warpgroup's turn.
-            acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
-            turns.before_pv(bars["v_ready"].at[slot])
+            with jax.named_scope("softmax"):
+                if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
+                    s = jnp.tanh(s * (scale / softcap))
+                if masked:
+                    s = _mask(s, i, rows, band, on_gpu=on_gpu)
+                m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                # Finish the softmax before handing the tensor cores over, rather than letting the
+                # compiler sink part of it past the barrier into the other warpgroup's turn.
+                acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
+            with jax.named_scope("turn_before_pv"):
+                turns.before_pv(bars["v_ready"].at[slot])
 
-            acc = _accumulate_pv(acc, p16, v_slot, in_place=on_gpu)
+            with jax.named_scope("pv"):
+                acc = _accumulate_pv(acc, p16, v_slot, in_place=on_gpu)
             plgpu.barrier_arrive(bars["v_free"].at[slot])
             pl.when(i == program_start)(free_next_slot)
             return acc, m_new, l
@@ -648,7 +658,8 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             turns.skip()
             pl.when(i == program_start)(free_next_slot)
 
-        plgpu.barrier_wait(bars["q_ready"].at[wg * q_slots + q_slot])
+        with jax.named_scope("q_wait"):
+            plgpu.barrier_wait(bars["q_ready"].at[wg * q_slots + q_slot])
         acc = _wgmma_layout(jnp.zeros((block_q, d), jnp.float32), on_gpu=on_gpu)
         m = _wgmma_layout(jnp.full((block_q,), M_FLOOR, jnp.float32), on_gpu=on_gpu)
         l = _wgmma_layout(jnp.zeros((block_q,), jnp.float32), on_gpu=on_gpu)
@@ -658,7 +669,8 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             sink = (sinks_ref[head] if len(sinks_ref.shape) == 1 else sinks_ref[batch, head]) * LOG2E
             m = jnp.maximum(m, sink)
             l = jnp.exp2(sink - m)
-        turns.tile_start()
+        with jax.named_scope("turn_tile_start"):
+            turns.tile_start()
         carry = (acc, m, l)
         if band.left is not None:
             lax.fori_loop(program_start, start, release, None)
@@ -674,21 +686,24 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         if band.right is not None or idle_wgs:
             lax.fori_loop(end, program_end, release, None)
         pl.when(program_start == program_end)(free_next_slot)  # a tile with no key blocks
-        turns.tile_end(output_written=False)
+        with jax.named_scope("turn_tile_end"):
+            turns.tile_end(output_written=False)
         acc, m, l = carry
 
-        # l >= 1 for a row that saw a key or has a sink (its max contributes exp2(0)); l = 0 (acc = 0)
-        # for one that saw neither, which max(l, 1) turns into out = 0, and log(0) into lse = -inf.
-        acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1.0), acc.shape, [0])
-        qo_smem[...] = acc.astype(dtype)
-        lse_smem[...] = m * math.log(2.0) + jnp.log(l)
-        plgpu.commit_smem()
-        # Not waited for here: the next tile's first step does (`free_next_slot`), and the kernel's end.
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(rows, block_q), head])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(rows, block_q)])
-        if not on_gpu:
-            plgpu.wait_smem_to_gmem(0)
-        turns.tile_end(output_written=True)
+        with jax.named_scope("output"):
+            # l >= 1 for a row that saw a key or has a sink (its max contributes exp2(0)); l = 0 (acc =
+            # 0) for one that saw neither, which max(l, 1) turns into out = 0, and log(0) into lse = -inf.
+            acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1.0), acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = m * math.log(2.0) + jnp.log(l)
+            plgpu.commit_smem()
+            # Not waited for here: the next tile's first step does (`free_next_slot`), and the kernel's end.
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(rows, block_q), head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(rows, block_q)])
+            if not on_gpu:
+                plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("turn_tile_end"):
+            turns.tile_end(output_written=True)
         if q_slots == 1:  # the next tile's Q goes where this O is: once the stores have read it
 
             @pl.when(j + 1 < count)
