@@ -3,14 +3,16 @@
 grid, causal bf16), summarised per warpgroup and step.
 
     python benchmarks/hopper_timeline_gpu.py [--out timeline.json] [--part forward backward]
-                                             [--clock-ghz 1.98] [--keep-traces DIR]
+                                             [--clock-ghz 1.98] [--keep-traces DIR] [--variant FILE]
 
 Each case runs three calls compiled with the profiler and summarises the last one's trace
 (`mgpu_timeline.summarise`): per warpgroup its mean span in SM cycles, the cycles of each named step
 (the softmax, each product, each wait), what no step covers, and when each program ended. The
 records change how ptxas schedules the kernel, so the shares say where a warpgroup waits, not how
 fast the kernel runs without them (BENCHMARKS.md "Inside the kernels"). The shapes keep a
-program's records within the shared memory its kernel leaves free (`STEPS`).
+program's records within the shared memory its kernel leaves free (the cases' step counts).
+`--variant FILE` profiles a modified copy of `flash_fwd_mgpu.py` or `flash_bwd_mgpu.py` instead of the
+kernel as it is (as `hopper_kernels_gpu.py --part variant` times one).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+from hopper_kernels_gpu import _load_variant
 
 from jaxattn.jax_core.kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu_tiles
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
@@ -73,16 +76,16 @@ def _case(name, fn, args, steps, clock_ghz, keep):
     return dict(case=name, steps_recorded=steps, **summary)
 
 
-def forward(rows, clock_ghz, keep):
+def forward(rows, clock_ghz, keep, kernel=flash_forward_mgpu_tiles):
     for shape, tiles, steps in FORWARD:
         d = shape[-1]
 
         def fn(q, k, v, tiles=tiles, d=d):
-            return flash_forward_mgpu_tiles(q, k, v, scale=d ** -0.5, causal=True, programs=_programs(), **tiles)
+            return kernel(q, k, v, scale=d ** -0.5, causal=True, programs=_programs(), **tiles)
         rows.append(_case(f"forward {shape}", fn, _inputs(shape, 3, 1), steps, clock_ghz, keep))
 
 
-def backward(rows, clock_ghz, keep):
+def backward(rows, clock_ghz, keep, kernel=flash_backward_mgpu_tiles):
     for shape, tiles, steps in BACKWARD:
         d = shape[-1]
         q, k, v, do = _inputs(shape, 4, 2)
@@ -91,8 +94,8 @@ def backward(rows, clock_ghz, keep):
         lse_log2, delta = backward_operands(out, do, lse)
 
         def fn(q, k, v, do, lse_log2, delta, accum, tiles=tiles, d=d):
-            return flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, accum, scale=d ** -0.5, causal=True,
-                                             programs=_programs(), **tiles)
+            return kernel(q, k, v, do, lse_log2, delta, accum, scale=d ** -0.5, causal=True, programs=_programs(),
+                          **tiles)
         args = (q, k, v, do, lse_log2, delta, jnp.zeros(q.shape, jnp.float32))
         rows.append(_case(f"backward {shape}", fn, args, steps, clock_ghz, keep))
 
@@ -104,10 +107,19 @@ def main():
     parser.add_argument("--clock-ghz", type=float, default=1.98,
                         help="SM clock that converts a program's cycles to µs for its end time (H100/H200 boost)")
     parser.add_argument("--keep-traces", default=None, help="directory to keep each case's Chrome trace in")
+    parser.add_argument("--variant", default=None,
+                        help="a modified flash_fwd_mgpu.py or flash_bwd_mgpu.py to profile instead (its part only)")
     args = parser.parse_args()
     rows = []
-    for part in args.part:
-        {"forward": forward, "backward": backward}[part](rows, args.clock_ghz, args.keep_traces)
+    if args.variant is None:
+        for part in args.part:
+            {"forward": forward, "backward": backward}[part](rows, args.clock_ghz, args.keep_traces)
+    else:
+        module = _load_variant(args.variant)
+        if hasattr(module, "flash_forward_mgpu_tiles"):
+            forward(rows, args.clock_ghz, args.keep_traces, module.flash_forward_mgpu_tiles)
+        else:
+            backward(rows, args.clock_ghz, args.keep_traces, module.flash_backward_mgpu_tiles)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
