@@ -105,8 +105,9 @@ class _Band:
 
 def _first_row(tile_rows, wg, band):
     """The first of compute warpgroup `wg`'s block_q rows in a tile from row `tile_rows`: the last
-    warpgroup takes the tile's first rows. In a causal tile those see the fewest keys, and warpgroup
-    0, which at a tile's end waits for the others' last softmax (`_Turns`), then waits the least."""
+    warpgroup takes the tile's first rows. In a causal tile those see the fewest keys; of two
+    warpgroups, warpgroup 0 waits at a tile's end for the other's last softmax (`_Turns`), which is
+    then the shorter walk's."""
     return tile_rows + (band.wgs - 1 - wg) * band.block_q
 
 
