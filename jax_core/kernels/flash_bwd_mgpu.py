@@ -602,8 +602,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                                       on_gpu=on_gpu)
                 plgpu.barrier_arrive(bars["do_free"].at[slot])
                 plgpu.barrier_arrive(bars["q_free"].at[slot])
-                with jax.named_scope("dq_add"):
-                    _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (wg, *dq_rows)], on_gpu=on_gpu)
+                _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (wg, *dq_rows)], on_gpu=on_gpu)
                 return dk, dv
             ds_both = ds_all.at[lax.rem(n, 2)]
             with jax.named_scope("ds_store"):
@@ -633,8 +632,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                         target = (q_batch, pl.ds(rows + w * (block_q // 2), block_q // 2), head)
                     with jax.named_scope("dq"):
                         dq, = _mma((dq_smem.shape, ds_parts, k_parts), on_gpu=on_gpu)
-                    with jax.named_scope("dq_add"):
-                        _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
+                    _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["q_free"].at[slot])
             return dk, dv
 
@@ -744,6 +742,7 @@ def _iota(shape, dim, *, on_gpu):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
+@jax.named_scope("dq_add")
 def _store_dq(dq, dq_smem, dq_gmem, *, on_gpu):
     """dq_gmem += dq through the warpgroup's staging tile."""
     if on_gpu:

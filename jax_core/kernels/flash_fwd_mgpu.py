@@ -478,7 +478,7 @@ def _accumulate_pv(acc, p, v_slot, *, in_place):
 @dataclasses.dataclass(frozen=True)
 class _Turns:
     """The order in which the compute warpgroups issue their products, so that one warpgroup's softmax
-    runs while another's matmuls do. A warpgroup holds the turn from the wgmma of P V of one key block
+    runs while another's matmuls do (each step named "turn_..." for `mgpu_timeline`). A warpgroup holds the turn from the wgmma of P V of one key block
     through issuing Q K^T of the next, and gives it up to do that block's softmax.
     * Two warpgroups meet at one barrier (arrive and wait), warpgroup 1 one meeting ahead: its first
       meeting is at the program's start, and at a tile's end it meets before it writes its output,
@@ -524,12 +524,14 @@ class _Turns:
         elif self._ahead:
             pl.when(self.wg == 0)(self._meet)
 
+    @jax.named_scope("turn_tile_start")
     def tile_start(self):
         if self.wgs > 2:
             self._take()
         elif not self._ahead:
             pl.when(self.wg == 1)(self._meet)
 
+    @jax.named_scope("turn_tile_end")
     def tile_end(self, *, output_written):
         """The tile's last product is done; called before (`output_written` False) and after its output
         is written and its stores issued."""
@@ -541,11 +543,12 @@ class _Turns:
         elif not output_written:
             pl.when(self.wg == 0)(self._meet)
 
+    @jax.named_scope("turn_after_scores")
     def after_scores(self):
         """Q K^T issued: another warpgroup's turn."""
-        with jax.named_scope("turn_after_scores"):
-            self._give() if self.wgs > 2 else self._meet()
+        self._give() if self.wgs > 2 else self._meet()
 
+    @jax.named_scope("turn_before_pv")
     def before_pv(self, v_ready):
         """The softmax done: waits for the V block (`v_ready`) and the turn."""
         if self.wgs > 2:
@@ -640,8 +643,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
                 # Finish the softmax before handing the tensor cores over, rather than letting the
                 # compiler sink part of it past the barrier into the other warpgroup's turn.
                 acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
-            with jax.named_scope("turn_before_pv"):
-                turns.before_pv(bars["v_ready"].at[slot])
+            turns.before_pv(bars["v_ready"].at[slot])
 
             with jax.named_scope("pv"):
                 acc = _accumulate_pv(acc, p16, v_slot, in_place=on_gpu)
@@ -670,8 +672,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             sink = (sinks_ref[head] if len(sinks_ref.shape) == 1 else sinks_ref[batch, head]) * LOG2E
             m = jnp.maximum(m, sink)
             l = jnp.exp2(sink - m)
-        with jax.named_scope("turn_tile_start"):
-            turns.tile_start()
+        turns.tile_start()
         carry = (acc, m, l)
         if band.left is not None:
             lax.fori_loop(program_start, start, release, None)
@@ -687,8 +688,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         if band.right is not None or idle_wgs:
             lax.fori_loop(end, program_end, release, None)
         pl.when(program_start == program_end)(free_next_slot)  # a tile with no key blocks
-        with jax.named_scope("turn_tile_end"):
-            turns.tile_end(output_written=False)
+        turns.tile_end(output_written=False)
         acc, m, l = carry
 
         with jax.named_scope("output"):
@@ -703,8 +703,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(rows, block_q)])
             if not on_gpu:
                 plgpu.wait_smem_to_gmem(0)
-        with jax.named_scope("turn_tile_end"):
-            turns.tile_end(output_written=True)
+        turns.tile_end(output_written=True)
         if q_slots == 1:  # the next tile's Q goes where this O is: once the stores have read it
 
             @pl.when(j + 1 < count)
