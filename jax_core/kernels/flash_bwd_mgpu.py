@@ -29,7 +29,7 @@ warpgroups store the last item's dK and dV and load its K and V. Per program:
       per compute warpgroup) say both have read it.
     * warpgroup w in {0, 1} (compute) keeps its block_kv keys' K, V and its dK, dV accumulators for
       an item's whole walk. Per query block, with wgmma: S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE),
-      dP^T = V dO^T, dV += P^T dO, dS^T = scale P^T (dP^T - delta), dK += dS^T Q, and a share of
+      dP^T = V dO^T, dV += P^T dO, dS^T = P^T (scale dP^T - scale delta), dK += dS^T Q, and a share of
       dQ = dS K read from dS^T in shared memory (`dq_split`). At head dim 128 the two warpgroups
       split dQ's columns (64 each), at head dim 64 with 128-row query blocks its rows (64 each),
       over both warpgroups' keys: one rendezvous per block, half the registers and half the adds.
@@ -586,8 +586,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                     p_t = _hide(p_t, rows, keys, cfg, on_gpu=on_gpu)
                 plgpu.barrier_wait(bars["delta_ready"].at[slot])
                 delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
-                ds = (p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-                ds16 = _capped(ds, cap_grad).astype(dtype)
+                ds16 = _capped(_ds(p_t, dp_t, delta, scale), cap_grad).astype(dtype)
                 p16 = p_t.astype(dtype)
             dq_rows = (q_batch, pl.ds(rows, block_q), head)
             if not split:
@@ -729,6 +728,13 @@ def _soft_cap(s_t, cfg: _Settings):
         return s_t, None
     t = jnp.tanh(s_t * (cfg.scale / cfg.softcap))
     return t, 1.0 - t * t
+
+
+def _ds(p_t, dp_t, delta, scale):
+    """dS^T = scale P^T (dP^T - delta) without the soft cap, as P^T (scale dP^T - scale delta): one FMA
+    and one multiply a score (the scale taken by the delta vector), not a subtraction and two
+    multiplies."""
+    return p_t * (dp_t * scale - lax.broadcast_in_dim(delta * scale, dp_t.shape, [1]))
 
 
 def _capped(ds, cap_grad):

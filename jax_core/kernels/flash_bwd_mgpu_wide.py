@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_bwd_mgpu import (COMPUTE_WGS, LOG2E, WIDE_DQ_COLS, _capped, _hide, _item, _layout, _load_vector, _mma,
+from .flash_bwd_mgpu import (COMPUTE_WGS, LOG2E, WIDE_DQ_COLS, _capped, _ds, _hide, _item, _layout, _load_vector, _mma,
                              _per_step, _soft_cap, _store_dq, _T, _walk_item)
 
 
@@ -95,7 +95,7 @@ def _walk(refs, bufs, bars, cfg, *, program, w, wg):
                 p_t = _hide(p_t, rows + w * rows_w, it.kv_start, cfg, on_gpu=on_gpu)
             plgpu.barrier_wait(bars["delta_ready"].at[do_slot])
             delta = _load_vector(delta_smem.at[do_slot, own], on_gpu=on_gpu)
-            ds16 = _capped((p_t * scale) * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])), cap_grad).astype(dtype)
+            ds16 = _capped(_ds(p_t, dp_t, delta, scale), cap_grad).astype(dtype)
             p16 = p_t.astype(dtype)
 
             @pl.when(n > 0)
