@@ -436,12 +436,14 @@ def _memory(refs, bufs, bars, cfg: _Settings, *, program):
             vector = (q_batch, head, pl.ds(rows, block_q))
 
             @pl.when(n >= stages)  # the slot's previous block must have been read by both
+            @jax.named_scope("slot_wait")
             def _():
                 plgpu.barrier_wait(bars["q_free"].at[slot])
             plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[slot], bars["q_ready"].at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], bars["lse_ready"].at[slot])
 
             @pl.when(n >= do_slots)
+            @jax.named_scope("do_slot_wait")
             def _():
                 plgpu.barrier_wait(bars["do_free"].at[do_slot])
             plgpu.copy_gmem_to_smem(do_ref.at[block], do_smem.at[do_slot], bars["do_ready"].at[do_slot])
