@@ -69,7 +69,8 @@ def _case(name, fn, args, steps, clock_ghz, keep):
     for wg, part in enumerate(summary["warpgroups"]):
         span = max(part["span"], 1.0)
         steps_text = ", ".join(f"{step} {100 * cycles / span:.1f}%" for step, cycles in part["steps"].items())
-        print(f"  warpgroup {wg}: span {part['span']:.0f} cycles; {steps_text}; other {100 * part['other'] / span:.1f}%")
+        other = 100 * part["other"] / span
+        print(f"  warpgroup {wg}: span {part['span']:.0f} cycles; {steps_text}; other {other:.1f}%")
     ends = summary["ends_us"]
     print(f"  programs end {ends[0]:.1f} .. {ends[-1]:.1f} µs after the first began (median "
           f"{ends[len(ends) // 2]:.1f})", flush=True)

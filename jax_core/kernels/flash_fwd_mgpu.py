@@ -478,8 +478,9 @@ def _accumulate_pv(acc, p, v_slot, *, in_place):
 @dataclasses.dataclass(frozen=True)
 class _Turns:
     """The order in which the compute warpgroups issue their products, so that one warpgroup's softmax
-    runs while another's matmuls do (each step named "turn_..." for `mgpu_timeline`). A warpgroup holds the turn from the wgmma of P V of one key block
-    through issuing Q K^T of the next, and gives it up to do that block's softmax.
+    runs while another's matmuls do (each step named "turn_..." for `mgpu_timeline`). A warpgroup
+    holds the turn from the wgmma of P V of one key block through issuing Q K^T of the next, and
+    gives it up to do that block's softmax.
     * Two warpgroups meet at one barrier (arrive and wait), warpgroup 1 one meeting ahead: its first
       meeting is at the program's start, and at a tile's end it meets before it writes its output,
       warpgroup 0 after. So warpgroup 0 writes its output while warpgroup 1 finishes its last
