@@ -73,6 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
+from .mgpu_band import keep_band
 from .flash_mgpu_checks import (BACKWARD_HEAD_DIMS, batch_group, check_arrays, check_backward_operands, check_blocks,
                                 check_features, check_whole_tiles)
 from .mgpu_timeline import compiler_params
@@ -711,16 +712,13 @@ def _per_step(index, step):
 
 def _hide(p_t, rows, keys, cfg: _Settings, *, on_gpu):
     """p_t (keys [keys, keys + block_kv) x query rows [rows, rows + block_q)) with 0 where the key is
-    hidden from the row: outside its band, or at kv_len and beyond (padding)."""
-    r = _iota(p_t.shape, 0, on_gpu=on_gpu)
-    c = _iota(p_t.shape, 1, on_gpu=on_gpu)
-    if cfg.right is not None:  # key `keys + r` lies right of query `rows + c`'s band
-        p_t = jnp.where(c + (rows + (cfg.diag_offset + cfg.right)) >= r + keys, p_t, 0.0)
-    if cfg.left is not None:
-        p_t = jnp.where(r + keys >= c + (rows + (cfg.diag_offset - cfg.left)), p_t, 0.0)
-    if cfg.ragged_end:
-        p_t = jnp.where(r + keys < cfg.kv_len, p_t, 0.0)
-    return p_t
+    hidden from the row: outside its band, or at kv_len and beyond (padding). In p_t's own indices
+    (r, c) the band is keys - rows - (diag_offset + right) <= c - r <= keys - rows - (diag_offset -
+    left), and the padding r >= kv_len - keys."""
+    lo = None if cfg.right is None else keys - rows - (cfg.diag_offset + cfg.right)
+    hi = None if cfg.left is None else keys - rows - (cfg.diag_offset - cfg.left)
+    row_end = cfg.kv_len - keys if cfg.ragged_end else None
+    return keep_band(p_t, fill=0.0, diff=1, lo=lo, hi=hi, row_end=row_end, on_gpu=on_gpu)
 
 
 def _soft_cap(s_t, cfg: _Settings):
@@ -742,12 +740,6 @@ def _ds(p_t, dp_t, delta, scale):
 def _capped(ds, cap_grad):
     """dS through the soft cap's tanh (ds itself without a cap)."""
     return ds if cap_grad is None else ds * cap_grad
-
-
-def _iota(shape, dim, *, on_gpu):
-    if not on_gpu:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 @jax.named_scope("dq_add")

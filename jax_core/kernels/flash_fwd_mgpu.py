@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu_checks import COMPUTE_WGS, SMEM_BYTES, SMEM_RESERVE  # noqa: F401 (re-exported)
+from .mgpu_band import keep_band
 from .flash_mgpu_checks import (FORWARD_HEAD_DIMS, batch_group, check_arrays, check_blocks, check_compute_wgs,
                                 check_features, check_tiling, check_whole_tiles, forward_q_slots)
 from .mgpu_timeline import compiler_params
@@ -167,15 +168,14 @@ def _halved_last_block(rows, lo, end, band):
 
 
 def _mask(s, i, rows, band, *, on_gpu):
-    """s (rows [rows, rows + block_q) x keys of block i) with the keys outside each row's band at -inf."""
-    row, col = (_iota(s.shape, dim, on_gpu=on_gpu) for dim in (0, 1))
-    if band.right is not None:
-        s = jnp.where(row + (rows + (band.diag_offset + band.right)) >= col + i * band.block_kv, s, -jnp.inf)
-    if band.left is not None:
-        s = jnp.where(col + i * band.block_kv >= row + (rows + (band.diag_offset - band.left)), s, -jnp.inf)
-    if band.ragged_end:
-        s = jnp.where(col + i * band.block_kv < band.kv_len, s, -jnp.inf)
-    return s
+    """s (rows [rows, rows + block_q) x keys of block i) with the keys outside each row's band at -inf.
+    In s's own indices (r, c) the band is i * block_kv - rows - (diag_offset + right) <= r - c <=
+    i * block_kv - rows - (diag_offset - left), and the keys past the end c >= kv_len - i * block_kv."""
+    first_key = i * band.block_kv
+    lo = None if band.right is None else first_key - rows - (band.diag_offset + band.right)
+    hi = None if band.left is None else first_key - rows - (band.diag_offset - band.left)
+    col_end = band.kv_len - first_key if band.ragged_end else None
+    return keep_band(s, fill=-jnp.inf, diff=-1, lo=lo, hi=hi, col_end=col_end, on_gpu=on_gpu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,12 +443,6 @@ def _wgmma_layout(x, *, on_gpu):
     if not on_gpu:
         return x
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA if x.ndim == 2 else plgpu.Layout.WGMMA.reduce(1))
-
-
-def _iota(shape, dim, *, on_gpu):
-    if not on_gpu:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 def _scores(q_smem, k_slot, after_issue, *, on_gpu):
