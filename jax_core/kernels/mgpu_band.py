@@ -5,7 +5,7 @@ col_t + col_r): row_t and col_t depend on the thread only, row_r and col_r on th
 the two never carry into each other. So col - row = (col_t - row_t) + (col_r - row_r), and once a
 block's bound is taken off the thread's part, each score compares one register with a constant.
 Built from two iotas instead, the compiler keeps each register's index live through the key loop:
-at head dim 64 the backward spilled them (BENCHMARKS.md, "Causal masks by constants").
+at head dim 64 the backward spilled them (BENCHMARKS.md, "Band masks by constants").
 
 `keep_band` runs the same rule through `jnp.where` off the GPU (the interpreter), so the kernels'
 interpreter tests check the bounds they pass; the layout arithmetic is checked on the GPU.
