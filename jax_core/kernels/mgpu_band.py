@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
