@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import statistics
 import sys
 
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpu_timing import time_jax, time_torch, write_report
+from kernel_variants import load_variant
 from jaxattn.jax_core import calls
 from jaxattn.jax_core.kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu_tiles
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
@@ -217,18 +217,10 @@ FORWARD_VARIANT_TILES = {64: [dict(block_q=64, block_kv=128, stages=2)],
                          128: []}
 
 
-def _load_variant(path):
-    spec = importlib.util.spec_from_file_location("jaxattn.jax_core.kernels._variant", path)
-    module = importlib.util.module_from_spec(spec)  # in the kernels' package: its relative imports resolve
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def variant(rows, path):
     """The kernel as is against the modified copy at `path`: of `flash_bwd_mgpu.py` (the backward at
     the "grids" shapes) or of `flash_fwd_mgpu.py` (the forward at `FORWARD_VARIANT_SHAPES`)."""
-    module = _load_variant(path)
+    module = load_variant(path)
     if hasattr(module, "flash_forward_mgpu_tiles"):
         return forward_variant(rows, path, module)
     for shape in GRID_SHAPES:

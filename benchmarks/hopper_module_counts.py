@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +25,7 @@ from jax.experimental.mosaic.gpu import core
 
 from jaxattn.jax_core import calls
 from jaxattn.jax_core.kernels import flash_bwd_mgpu, flash_fwd_mgpu
+from kernel_variants import load_variant
 
 PATTERNS = {"bar.sync": r"bar\.sync", "mbarrier waits": r"mbarrier\.try_wait", "wgmma": r"wgmma\.mma_async",
             "proxy fences": r"fence[._]proxy"}
@@ -69,14 +68,6 @@ def counts(fwd=flash_fwd_mgpu, bwd=flash_bwd_mgpu) -> list[dict]:
     return rows
 
 
-def _load(path):
-    spec = importlib.util.spec_from_file_location("jaxattn.jax_core.kernels._counted_variant", path)
-    module = importlib.util.module_from_spec(spec)  # in the kernels' package: its relative imports resolve
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", default=[],
@@ -84,7 +75,7 @@ def main():
     args = parser.parse_args()
     sets = [("as is", flash_fwd_mgpu, flash_bwd_mgpu)]
     for path in args.variant:
-        module = _load(path)
+        module = load_variant(path)
         is_forward = hasattr(module, "flash_forward_mgpu")
         sets.append((path, module if is_forward else None, None if is_forward else module))
     for name, fwd, bwd in sets:
