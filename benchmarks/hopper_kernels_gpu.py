@@ -4,6 +4,7 @@ key-block size, each against torch's cuDNN backend in the same process where it 
 
     python benchmarks/hopper_kernels_gpu.py [--out hopper_kernels.json] [--part grids|splits|forward-tiles|forward-wgs]
     python benchmarks/hopper_kernels_gpu.py --part variant --variant my_flash_bwd_mgpu.py [--rounds 5]
+    python benchmarks/hopper_kernels_gpu.py --part variant --variant my_flash_fwd_mgpu.py [--softcap 30]
 
 Rows, causal bf16:
     * "grids": the backward (`flash_backward_mgpu_tiles`, the tuned tiles and head splits) with
@@ -217,12 +218,15 @@ FORWARD_VARIANT_TILES = {64: [dict(block_q=64, block_kv=128, stages=2)],
                          128: []}
 
 
-def variant(rows, path):
+def variant(rows, path, softcap=None):
     """The kernel as is against the modified copy at `path`: of `flash_bwd_mgpu.py` (the backward at
-    the "grids" shapes) or of `flash_fwd_mgpu.py` (the forward at `FORWARD_VARIANT_SHAPES`)."""
+    the "grids" shapes) or of `flash_fwd_mgpu.py` (the forward at `FORWARD_VARIANT_SHAPES`, with
+    `softcap` if given)."""
     module = load_variant(path)
     if hasattr(module, "flash_forward_mgpu_tiles"):
-        return forward_variant(rows, path, module)
+        return forward_variant(rows, path, module, softcap)
+    if softcap is not None:
+        raise ValueError(f"--softcap {softcap}: the backward variants run without a cap; hint: leave it out")
     for shape in GRID_SHAPES:
         b, l, hq, hk, d = shape
         splits = calls.hopper_head_splits(b, hq, hk, l, d)
@@ -243,16 +247,22 @@ def cudnn_forward_us(b, l, h, d):
         return time_torch(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), iters=10)
 
 
-def forward_variant(rows, path, module):
+def forward_variant(rows, path, module, softcap=None):
+    """With `softcap`, both kernels run with that cap, and the kernel as is without it as well (the
+    cap's cost)."""
     for shape in FORWARD_VARIANT_SHAPES:
         b, l, h, d = shape
         tuned = calls.hopper_tiles("forward", d, l)
-        options = {"as is": (flash_forward_mgpu_tiles, tuned), "variant": (module.flash_forward_mgpu_tiles, tuned)}
-        options.update({f"variant {t['block_kv']}x{t['stages']}": (module.flash_forward_mgpu_tiles, t)
-                        for t in FORWARD_VARIANT_TILES[d] if t != tuned})
+        capped = tuned if softcap is None else dict(tuned, softcap=softcap)
+        options = {"as is": (flash_forward_mgpu_tiles, capped), "variant": (module.flash_forward_mgpu_tiles, capped)}
+        if softcap is None:
+            options.update({f"variant {t['block_kv']}x{t['stages']}": (module.flash_forward_mgpu_tiles, t)
+                            for t in FORWARD_VARIANT_TILES[d] if t != tuned})
+        else:
+            options["as is, no cap"] = (flash_forward_mgpu_tiles, tuned)
         result = timed(forward_fns(shape, options), causal_flops(b, h, l, d))
         cudnn = cudnn_forward_us(b, l, h, d)
-        rows.append(dict(part="variant", variant=str(path), shape=list(shape), cudnn_us=cudnn,
+        rows.append(dict(part="variant", variant=str(path), softcap=softcap, shape=list(shape), cudnn_us=cudnn,
                          variants={name: dict(us=us, tflops=tf, rounds=r) for name, (us, tf, r) in result.items()}))
         print(f"{shape} forward: " + " | ".join(f"{n} {us:.1f} us" for n, (us, _, _) in result.items())
               + f" | cudnn {cudnn:.1f} us", flush=True)
@@ -270,6 +280,8 @@ def main():
     parser.add_argument("--variant", default=None,
                         help="the modified flash_bwd_mgpu.py or flash_fwd_mgpu.py that --part variant times")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants in turn")
+    parser.add_argument("--softcap", type=float, default=None,
+                        help="a forward variant's soft cap (both kernels; the kernel as is also without it)")
     args = parser.parse_args()
     if ("variant" in (args.part or ())) != (args.variant is not None) or args.rounds < 1:
         parser.error(f"--part {args.part}, --variant {args.variant!r}, --rounds {args.rounds}: expected --variant "
@@ -282,7 +294,7 @@ def main():
     rows = []
     for part in args.part or ["grids", "splits", "forward-tiles"]:
         if part == "variant":
-            variant(rows, args.variant)
+            variant(rows, args.variant, args.softcap)
         else:
             PARTS[part](rows)
     if args.out:
