@@ -695,9 +695,10 @@ def run_models(size: Optional[str] = None, *, device: Optional[str] = None, impl
         _run_model(run, spec, {"sdpa": "sdpa", "jaxattn": jax_name}, max_positions, getattr(torch, plan_.dtype))
     if print_table:
         print(format_table(run.cells))
-    for line in run.write(complete=True):
+    report = run.report(complete=True)  # once: the file and the returned report carry one elapsed_s
+    for line in write_outputs(report, run.out_dir) if run.out_dir is not None else ():
         print(line)
-    return run.report(complete=True)
+    return report
 
 
 def _run_model(run: _Run, spec: ModelSpec, names: dict[str, str], max_positions: int, dtype) -> None:
