@@ -563,16 +563,17 @@ class _Run:
         self.cells.append(cell)
         if cell["error"]:
             self.say(f"  {_note(cell)}")
-        self.write(complete=False)
+        self.write(self.report(complete=False))
 
     def report(self, complete: bool) -> dict:
         header = {**self.header, "elapsed_s": round(time.perf_counter() - self.t0, 1), "complete": complete}
         return {"header": header, "cells": self.cells}
 
-    def write(self, complete: bool) -> list[str]:
+    def write(self, report: dict) -> list[str]:
+        """Writes `report` (from `report`: the files then hold what the caller keeps)."""
         if self.out_dir is None:
             return []
-        return write_outputs(self.report(complete), self.out_dir)
+        return write_outputs(report, self.out_dir)
 
 
 def package_versions() -> dict:
@@ -696,7 +697,7 @@ def run_models(size: Optional[str] = None, *, device: Optional[str] = None, impl
     if print_table:
         print(format_table(run.cells))
     report = run.report(complete=True)  # once: the file and the returned report carry one elapsed_s
-    for line in write_outputs(report, run.out_dir) if run.out_dir is not None else ():
+    for line in run.write(report):
         print(line)
     return report
 
