@@ -4,7 +4,7 @@ key-block size, each against torch's cuDNN backend in the same process where it 
 
     python benchmarks/hopper_kernels_gpu.py [--out hopper_kernels.json] [--part grids|splits|forward-tiles|forward-wgs]
     python benchmarks/hopper_kernels_gpu.py --part variant --variant my_flash_bwd_mgpu.py [--rounds 5]
-    python benchmarks/hopper_kernels_gpu.py --part variant --variant my_flash_fwd_mgpu.py [--softcap 30]
+    python benchmarks/hopper_kernels_gpu.py --part variant --variant my_flash_fwd_mgpu.py [--softcap 30] [--forward-tiles 128:128x3]
 
 Rows, causal bf16:
     * "grids": the backward (`flash_backward_mgpu_tiles`, the tuned tiles and head splits) with
@@ -282,12 +282,23 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants in turn")
     parser.add_argument("--softcap", type=float, default=None,
                         help="a forward variant's soft cap (both kernels; the kernel as is also without it)")
+    parser.add_argument("--forward-tiles", action="append", default=[], metavar="D:KVxSTAGES",
+                        help="more tiles a forward variant is timed with at head dim D, e.g. 128:128x3 "
+                             "(block_kv 128, 3 stages; repeatable)")
     args = parser.parse_args()
     if ("variant" in (args.part or ())) != (args.variant is not None) or args.rounds < 1:
         parser.error(f"--part {args.part}, --variant {args.variant!r}, --rounds {args.rounds}: expected --variant "
                      "FILE exactly with --part variant, and at least one round")
     global ROUNDS
     ROUNDS = args.rounds
+    for spec in args.forward_tiles:
+        try:
+            d, tile = spec.split(":")
+            block_kv, stages = tile.split("x")
+            FORWARD_VARIANT_TILES[int(d)].append(dict(block_q=64, block_kv=int(block_kv), stages=int(stages)))
+        except (ValueError, KeyError):
+            parser.error(f"--forward-tiles {spec!r}: expected D:KVxSTAGES with D one of "
+                         f"{sorted(FORWARD_VARIANT_TILES)}, e.g. 128:128x3")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, jax {jax.__version__}", flush=True)
