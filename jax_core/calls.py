@@ -183,14 +183,16 @@ HOPPER_TILES = dict(
               256: dict(block_q=64, block_kv=32, stages=2)},
 )
 #: Forward tiles for short key lengths, per head dim: (most keys, tiles). At head dim 64 a causal walk
-#: over at most 2048 keys is a few blocks long, and 256-key blocks spend a quarter of the first one
-#: on the masked diagonal. Forward alone on the persistent grid, causal bf16, H200 (BENCHMARKS.md
-#: "The backward's persistent grid; head dim 64: 128-key blocks for short walks"), 256- / 128-key
-#: blocks: 128.5 / 117.6 us at (16, 16, 1024, 64), 197.5 / 196.3 at (8, 16, 2048, 64), 345.5 / 354.6
-#: at (4, 16, 4096, 64). Three compute warpgroups (`compute_wgs=3`, 192-row tiles) ran the kernel alone
-#: 1-8% faster there but the drop-in's training step no faster (BENCHMARKS.md "Three compute
-#: warpgroups"), so the tiles stay two warpgroups'.
-HOPPER_FORWARD_SHORT = {64: (2048, dict(block_q=64, block_kv=128, stages=2))}
+#: over at most 1024 keys is a few blocks long, and 256-key blocks spend a quarter of the first one
+#: on the masked diagonal. Forward alone on the persistent grid, causal bf16, H200, 256- / 128-key
+#: blocks, µs (BENCHMARKS.md "Forward key blocks at head dim 64 once more"; two runs where given):
+#: 119.2-124.9 / 120.0-121.3 at (16, 16, 1024, 64), 166.7 / 185.7 at (16, 16, 1280, 64), 168.6 / 175.0
+#: at (12, 16, 1536, 64), 185.1 and 203.1 / 197.3 and 196.1 at (8, 16, 2048, 64) (the fourth pass of
+#: 2026-11-29: 208.1 / 214.2 and 186.2 / 194.0), 320.5-328.6 / 346.5-354.3 at (4, 16, 4096, 64). Three
+#: compute warpgroups (`compute_wgs=3`, 192-row tiles) ran the kernel alone 1-8% faster up to 2048 keys
+#: but the drop-in's training step no faster (BENCHMARKS.md "Three compute warpgroups"), so the tiles
+#: stay two warpgroups'.
+HOPPER_FORWARD_SHORT = {64: (1024, dict(block_q=64, block_kv=128, stages=2))}
 
 
 def hopper_tiles(which: str, head_dim: int, kv_len: int) -> dict:

@@ -459,7 +459,7 @@ def test_kernels_run_on_the_current_stream():
     (8, 2, 3000, 5000, dict(softcap=15.0, window=(512, 64), bottom_right=True)),  # all of them
     (8, 8, 4096, 4096, dict(causal=True, sinks=True)),  # sinks, folded: one per (batch, head) pair
     (8, 2, 4097, 4161, dict(causal=True, sinks=True, window=(1000, 0))),  # sinks, GQA, window, edges
-    # Head dim 64 over at most 2048 keys: the forward's three compute warpgroups (192-row tiles)
+    # Head dim 64 over 1025-2048 keys: the forward's 256-key blocks on short walks
     (8, 2, 1500, 2000, dict(causal=True, sinks=True, window=(700, 0), bottom_right=True, d=64)),
     (8, 8, 2048, 2048, dict(softcap=20.0, causal=True, d=64)),
     # Head dim 256: the backward whose warpgroups share an item's keys and split its columns

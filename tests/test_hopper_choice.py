@@ -139,8 +139,9 @@ def test_the_hopper_backward_splits_short_gqa_grids(persistent, b, hq, hk, keys,
 
 @pytest.mark.parametrize("d, s, backward, want_block_kv, want_keys", [
     (64, 1000, False, 128, 1024),   # a short head-dim-64 walk: 128-key blocks
-    (64, 2048, False, 128, 2048),
-    (64, 2049, False, 256, 2304),   # past the bound: 256-key blocks
+    (64, 1024, False, 128, 1024),
+    (64, 1025, False, 256, 1280),   # past the bound: 256-key blocks
+    (64, 2048, False, 256, 2048),
     (64, 4096, False, 256, 4096),
     (128, 1000, False, 128, 1024),  # head dim 128: one tile size
     (64, 1000, True, 64, 1024),     # the backward's tiles do not depend on the length
