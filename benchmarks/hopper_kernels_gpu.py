@@ -20,9 +20,10 @@ Rows, causal bf16:
     * "variant": the backward as is against a modified copy of `flash_bwd_mgpu.py` (`--variant`, loaded
       as a module of the same package), both on the persistent grid with the tuned tiles and head
       splits, and torch cuDNN's backward, at the "grids" shapes; or, for a copy of
-      `flash_fwd_mgpu.py`, the forward likewise (and the variant with other tiles at head dim 64)
-      against cuDNN's forward at `FORWARD_VARIANT_SHAPES`. `docs/bench/variants/*.patch` are the
-      variants BENCHMARKS.md reports (`git apply` one to a copy of the checkout, or `patch -o`).
+      `flash_fwd_mgpu.py`, the forward likewise (and the variant with other tiles: at head dim 64,
+      and those `--forward-tiles` names) against cuDNN's forward at `FORWARD_VARIANT_SHAPES`.
+      `docs/bench/variants/*.patch` are the variants BENCHMARKS.md reports (`git apply` one to a copy
+      of the checkout, or `patch -o`).
 The residuals the backward reads come from our forward. Timing: `gpu_timing.time_jax` (back-to-back
 calls, then block_until_ready) and `time_torch`, `--rounds` rounds (default 3) of the variants in turn, median.
 TFLOP/s count the causal forward as 2*B*H*L*L*D and the backward as 2.5 times that. Each backward
