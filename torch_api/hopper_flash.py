@@ -18,12 +18,12 @@ them through `native_flash.flash_forward` when they want no LSE back (these kern
 differentiable).
 
 Any lengths: the kernels move whole tiles (128 query rows and 128 keys serve both; 256 keys in the
-head-dim-64 forward over more than 1024 keys, `calls.hopper_tiles`), so a tensor whose length is not a whole number of tiles is copied once into a
-zero-padded buffer (the copy a non-contiguous layout takes anyway), the kernels get the true key
-count and mask the padded keys, padded query rows get LSE +inf and delta 0 in the backward (so they
-add nothing), and the results are views of the true rows. Whole tiles keep the zero-copy views. With
-`calls.HOPPER_TMA_EDGES` (on), lengths in whole 8-row TMA tiles go in place on a
-GPU instead (`kernel_lengths`): the kernels' last tiles run past them.
+head-dim-64 forward over more than 1024 keys, `calls.hopper_tiles`), so a tensor whose length is not
+a whole number of tiles is copied once into a zero-padded buffer (the copy a non-contiguous layout
+takes anyway), the kernels get the true key count and mask the padded keys, padded query rows get LSE
++inf and delta 0 in the backward (so they add nothing), and the results are views of the true rows.
+Whole tiles keep the zero-copy views. With `calls.HOPPER_TMA_EDGES` (on), lengths in whole 8-row TMA
+tiles go in place on a GPU instead (`kernel_lengths`): the kernels' last tiles run past them.
 
 dQ accumulates by float32 reduce-adds whose order varies: gradients are not bit-reproducible run to
 run; `torch.use_deterministic_algorithms(True)` keeps such calls on the Triton kernels.
@@ -74,9 +74,9 @@ HOPPER_MIN_LENGTH = dict(forward=4096, train=4096)
 #: 785 / 632 at (4, 16, 2048, 128); forward alone 150 / 126 at (16, 16, 1024, 64) and 223 / 208 at
 #: (8, 16, 2048, 64), 103 / 125 at (8, 16, 1024, 128). With the forward's persistent grid (BENCHMARKS.md
 #: "A persistent grid for the Hopper forward"), head dim 64 forward: 195-201 / 218 us at (8, 16, 2048,
-#: 64), 128-133 / 132 at (16, 16, 1024, 64) (even: 2048 it was). With 128-key blocks over at most 2048
-#: keys (then; 1024 now, `calls.HOPPER_FORWARD_SHORT`; BENCHMARKS.md "Where the head-dim-128 backward waits"): 113 /
-#: 132 us at (16, 16, 1024, 64), and 122 / 124 in the run before, so 1024 at both head dims.
+#: 64), 128-133 / 132 at (16, 16, 1024, 64) (even: 2048 it was). With 128-key blocks over short walks
+#: (`calls.HOPPER_FORWARD_SHORT`; BENCHMARKS.md "Where the head-dim-128 backward waits"): 113 / 132 us
+#: at (16, 16, 1024, 64), and 122 / 124 in the run before, so 1024 at both head dims.
 #: The head-dim-256 forward (BENCHMARKS.md "Head dim 256: the Hopper forward"): 185.5 / 228.7 us at (16, 8,
 #: 1024, 256). Its backward (BENCHMARKS.md "A Hopper backward at head dim 256"), forward + backward
 #: Hopper / Triton: 1354 / 1096 us at (16, 8, 1024, 256), 2685 / 3326 at (4, 8, 4096, 256), so 4096.
