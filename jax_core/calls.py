@@ -270,6 +270,31 @@ def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: in
     return group
 
 
+#: Most query blocks one item of the Hopper backward walks (its query length times the query heads it
+#: walks, over block_q) for which the backward runs in clusters of two programs on adjacent key
+#: blocks, each query block loaded once for both by a multicast (`flash_bwd_mgpu`'s `cluster=2`).
+#: Backward alone on the persistent grid, causal bf16, H200, µs, one program / clusters of two
+#: (BENCHMARKS.md "Clusters of two in the backward"), walks of 8 to 16 blocks: (16, 16, 1024, 64)
+#: 353-376 / 332-358, (16, 1024, 16/8 heads, 64) 336 / 315, (8, 16, 1024, 128) 332-342 / 299-310,
+#: (8, 16, 2048, 64) 553 / 535; of 32 and more, slower in clusters: (4, 16, 2048, 128) 430 / 450,
+#: (4, 2048, 16/8, 64) 241 / 264, (4, 16, 4096, 64) 776-794 / 913-948, (2, 16, 8192, 128) 2767-2830 /
+#: 2823-2870.
+HOPPER_BACKWARD_CLUSTER_MOST_STEPS = 16
+
+
+def hopper_backward_cluster(rows_walked: int, keys: int, head_dim: int, programs: Optional[int]) -> int:
+    """`cluster` of the Hopper backward: 2 where an item walks at most
+    HOPPER_BACKWARD_CLUSTER_MOST_STEPS query blocks (`rows_walked`: its query length times the query
+    heads per item) on a persistent grid (`programs`, even) and the `keys` (the kernel's, padded or in
+    place) are whole pairs of items; else 1. Head dim 256 runs without clusters."""
+    if head_dim not in (64, 128) or programs is None or programs % 2:
+        return 1
+    tiles = HOPPER_TILES["backward"][head_dim]
+    steps = -(-rows_walked // tiles["block_q"])
+    pair_keys = 2 * 2 * tiles["block_kv"]
+    return 2 if steps <= HOPPER_BACKWARD_CLUSTER_MOST_STEPS and keys % pair_keys == 0 else 1
+
+
 #: Whether the torch launch passes lengths that are whole 8-row TMA tiles but not whole kernel tiles
 #: in place (`tma_edges`: the kernels' last tiles run past them) instead of copying them into padded
 #: buffers. In place / padded, H200, causal bf16, drop-in (BENCHMARKS.md "Lengths that are not whole
@@ -313,15 +338,17 @@ def flash_hopper(query, key, value, sinks=None, *, scale, causal, diag_offset, w
 
 
 def flash_hopper_backward(query, key, value, d_out, lse_log2, delta, dq_accum, *, scale, causal, diag_offset,
-                          window=None, softcap=None, kv_len=None, head_splits=1, programs=None, tma_edges=False):
+                          window=None, softcap=None, kv_len=None, head_splits=1, programs=None, cluster=1,
+                          tma_edges=False):
     """(dq_accum + dQ float32, dK, dV): `flash_bwd_mgpu.flash_backward_mgpu_tiles` with the tuned tiles
     (with `head_splits` > 1, dK and dV as float32 partial sums (head_splits, B, S, Hk, D) to sum).
     Padded query rows must carry lse_log2 +inf and delta 0. `programs`: None (one program per key
-    block) or the persistent grid's size (`flash_backward_mgpu`). `tma_edges`: lengths in 8-row tiles,
-    read in place (`flash_backward_mgpu_tiles`)."""
+    block) or the persistent grid's size (`flash_backward_mgpu`). `cluster`: programs per cluster
+    (`hopper_backward_cluster`). `tma_edges`: lengths in 8-row tiles, read in place
+    (`flash_backward_mgpu_tiles`)."""
     from .kernels.flash_bwd_mgpu import flash_backward_mgpu_tiles
 
     return flash_backward_mgpu_tiles(query, key, value, d_out, lse_log2, delta, dq_accum, scale=scale, causal=causal,
                                      diag_offset=diag_offset, window=window, softcap=softcap, kv_len=kv_len,
-                                     head_splits=head_splits, programs=programs, tma_edges=tma_edges,
-                                     **hopper_tiles("backward", query.shape[-1], key.shape[1]))
+                                     head_splits=head_splits, programs=programs, cluster=cluster,
+                                     tma_edges=tma_edges, **hopper_tiles("backward", query.shape[-1], key.shape[1]))

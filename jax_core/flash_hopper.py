@@ -82,7 +82,7 @@ def _vjp_forward(q, k, v, sinks, settings: _Settings):
 
 
 def _vjp_backward(settings: _Settings, residuals, cotangents):
-    from .calls import hopper_backward_programs, hopper_head_splits, hopper_padded_lengths
+    from .calls import hopper_backward_cluster, hopper_backward_programs, hopper_head_splits, hopper_padded_lengths
     from .kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu, sinks_gradient
 
     q, k, v, sinks, out, lse = residuals
@@ -95,8 +95,11 @@ def _vjp_backward(settings: _Settings, residuals, cotangents):
     # On the GPU a persistent grid, as the forward's; interpreted, one program per key block.
     programs = None if settings.interpret is not None else hopper_backward_programs(device_multiprocessors(0))
     splits = hopper_head_splits(q.shape[0], q.shape[2], k.shape[2], keys, q.shape[-1], persistent=programs is not None)
+    rows = hopper_padded_lengths(q.shape[1], k.shape[1], q.shape[-1], backward=True)[0]
+    walked = rows * (q.shape[0] // k.shape[0]) * (q.shape[2] // k.shape[2]) // splits  # query rows an item walks
+    cluster = hopper_backward_cluster(walked, keys, q.shape[-1], programs)
     dq, dk, dv = flash_backward_mgpu(q, k, v, dout, lse_log2, delta, jnp.zeros(q.shape, jnp.float32),
-                                     head_splits=splits, programs=programs,
+                                     head_splits=splits, programs=programs, cluster=cluster,
                                      **settings.kernel_keywords(q.shape[-1], k.shape[1], "backward"))
     dsinks = None if sinks is None else sinks_gradient(sinks, lse, delta).astype(sinks.dtype)
     return dq.astype(q.dtype), dk, dv, dsinks

@@ -107,7 +107,7 @@ def _inputs(gen, b, l, s, hq, hk, d, torch_dtype):
 
 def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
                   d=64, stages=2, dtype=jnp.float16, inputs=None, residuals="reference", head_splits=1, block_q=64,
-                  programs=None, block_kv=None):
+                  programs=None, block_kv=None, cluster=1):
     """Runs the backward with the features given on fresh inputs (or `inputs`: q, k, v, do as (B, H, T, D)
     float64) and checks dq, dk, dv (and the sinks' gradient) against the float64 oracle's under the 2x
     rule; rows that see no key get dq exactly 0. `residuals`: whose out and lse the backward reads, the
@@ -133,7 +133,7 @@ def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window
     got = flash_backward_mgpu(jq, jk, jv, jdo, lse_log2, delta, jnp.zeros(jq.shape, jnp.float32), scale=scale,
                               causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, stages=stages,
                               head_splits=head_splits, block_q=block_q, programs=programs, interpret=interpret,
-                              block_kv=block_kv or (32 if d == 256 else 64))
+                              block_kv=block_kv or (32 if d == 256 else 64), cluster=cluster)
     assert [x.shape for x in got] == [jq.shape, jk.shape, jv.shape]
     assert [x.dtype for x in got] == [jnp.float32, jk.dtype, jv.dtype]
     # On the GPU the soft cap's tanh is tanh.approx.f32 (relative error below 2**-10.9): dS's factor
@@ -224,6 +224,17 @@ FEATURE_CASES = [
     pytest.param(2, 150, 230, 4, 1, dict(window=(24, 8), softcap=4.0, head_splits=4, d=256),
                  id="d256-head-splits-4-of-4"),
     pytest.param(1, 300, 200, 4, 2, dict(causal=True, d=256, programs=3), id="d256-persistent-causal-gqa"),
+    # clusters of two programs on adjacent key blocks (`cluster=2`), stepping through the union of
+    # their walks: under a causal or windowed band one of them skips the query blocks only the other's
+    # keys see (on the GPU each step's Q and dO arrive by one multicast load)
+    pytest.param(1, 256, 256, 2, 2, dict(causal=True, programs=2, cluster=2), id="cluster-persistent-causal"),
+    pytest.param(1, 200, 450, 4, 2, dict(causal=True, alignment="bottom_right", cluster=2),
+                 id="cluster-causal-br-gqa"),
+    pytest.param(2, 150, 230, 2, 2, dict(window=(40, 10), softcap=4.0, sinks=True, d=128, programs=4, cluster=2),
+                 id="cluster-persistent-all-features-d128"),
+    pytest.param(1, 97, 300, 2, 2, dict(window=(5, 5), programs=2, cluster=2), id="cluster-persistent-window-items-no-row-sees"),
+    pytest.param(2, 200, 260, 4, 1, dict(causal=True, head_splits=2, block_q=128, programs=6, cluster=2),
+                 id="cluster-persistent-dq-rows-head-splits"),
 ]
 
 
@@ -478,6 +489,9 @@ def test_persistent_grid_lowers_for_hopper(d, block_q, layout):
     (dict(window=(-2, 0)), r"window=\(-2, 0\): expected None or \(left, right\)"),
     (dict(softcap=0.0), r"softcap=0.0: expected None or a positive finite Python float"),
     (dict(programs=0), r"programs=0: expected None \(one program per item of work\) or a positive int"),
+    (dict(cluster=3), r"cluster=3: expected 1 or 2 \(programs per cluster\); hint: cluster=1"),
+    (dict(cluster=2, programs=3), r"cluster=2: programs=3: a persistent grid of clusters of two needs an even size"),
+    (dict(cluster=2, d=256, block_kv=32), r"cluster=2: head dim 256: clusters are for head dims 64 and 128"),
 ])
 def test_rejects_bad_arguments(kw, match):
     kw = dict(kw)
@@ -505,6 +519,7 @@ def test_rejects_bad_arguments(kw, match):
     (104, 130, dict(tma_edges=True), r"L=104, key length S=130 with tma_edges=True: expected multiples of 8 .*hint: "
                                      r"tma_edges=False"),
     (104, 136, dict(tma_edges=True, interpret=True), r"tma_edges=True with interpret-mode parameters: expected a GPU"),
+    (128, 384, dict(cluster=2), r"cluster=2: S=384: expected a multiple of cluster \* 2 \* block_kv = 256"),
     # the row vectors keep whole query blocks' rows
     (104, 136, dict(tma_edges=True, lse_rows=104), r"lse_log2: shape \(1, 2, 104\) dtype float32, expected float32 "
                                                    r"\(B, Hq, L'\)=\(1, 2, 128\) \(L rounded up to whole 64-row"),

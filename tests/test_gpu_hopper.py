@@ -462,6 +462,9 @@ def test_kernels_run_on_the_current_stream():
     # Head dim 64 over 1025-2048 keys: the forward's 256-key blocks on short walks
     (8, 2, 1500, 2000, dict(causal=True, sinks=True, window=(700, 0), bottom_right=True, d=64)),
     (8, 8, 2048, 2048, dict(softcap=20.0, causal=True, d=64)),
+    # Walks of at most 2048 query rows: the backward in clusters of two (`calls.hopper_backward_cluster`)
+    (8, 8, 1024, 1024, dict(causal=True)),
+    (8, 8, 1000, 1024, dict(softcap=20.0, window=(300, 0), bottom_right=True, sinks=True, d=64)),
     # Head dim 256: the backward whose warpgroups share an item's keys and split its columns
     (8, 2, 4097, 4161, dict(causal=True, sinks=True, window=(1000, 0), bottom_right=True, d=256)),
     (8, 4, 4097, 2049, dict(softcap=30.0, causal=True, d=256)),

@@ -368,3 +368,33 @@ def test_a_program_signature_holds_the_tma_edges_switch(monkeypatch):
     assert keys[0] != keys[1]
     monkeypatch.setattr(hopper_program, "_PROGRAMS", {keys[0]: -1})
     assert hopper_program.unsettled(keys[1]) and not hopper_program.unsettled(keys[0])
+
+
+@pytest.mark.parametrize("b, hq, hk, l, d, programs, want", [
+    (16, 16, 16, 1024, 64, 132, 2),  # an item walks 8 query blocks of 128 rows
+    (8, 16, 16, 2048, 64, 132, 2),  # 16: the bound
+    (8, 16, 16, 1024, 128, 132, 2),  # 16 blocks of 64 rows
+    (8, 16, 16, 1032, 128, 132, 1),  # 17
+    (4, 16, 16, 2048, 128, 132, 1),  # 32: long walks run without clusters (measured slower in them)
+    (4, 16, 16, 4096, 64, 132, 1),
+    (16, 16, 8, 1024, 64, 132, 2),  # GQA: an item walks its two query heads, 16 blocks
+    (16, 16, 4, 1024, 64, 132, 1),  # four heads: 32
+    (4, 16, 4, 1024, 64, 132, 2),  # a short grid splits the four heads (head_splits 4): 8
+    (16, 16, 16, 1024, 64, 131, 1),  # an odd grid cannot pair its programs
+    (16, 16, 16, 1024, 64, None, 1),  # one program per item
+    (16, 16, 16, 1024, 256, 132, 1),  # head dim 256 runs without clusters
+    (16, 16, 16, 1152, 64, 132, 1),  # 1152 keys: nine 128-key items, not whole pairs
+])
+def test_the_hopper_backward_runs_short_walks_in_clusters_of_two(monkeypatch, b, hq, hk, l, d, programs, want):
+    """`calls.hopper_backward_cluster` through the torch launch's backward settings: clusters of two
+    programs where an item walks at most HOPPER_BACKWARD_CLUSTER_MOST_STEPS query blocks on an even
+    persistent grid and the keys are whole pairs of items."""
+    from jaxattn.jax_core import calls
+    from jaxattn.jax_core.kernels.flash_plan import FlashConfig
+
+    assert calls.HOPPER_BACKWARD_CLUSTER_MOST_STEPS == 16
+    monkeypatch.setattr(hopper_flash, "backward_programs", lambda device: programs)
+    kq = torch.empty(b, l, hq, d, device="meta")
+    kk = torch.empty(b, l, hk, d, device="meta")
+    static = hopper_flash._backward_static(FlashConfig(scale=0.1, causal=True), l, kq, kk, CUDA, False)
+    assert static["cluster"] == want, static

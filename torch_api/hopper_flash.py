@@ -249,13 +249,16 @@ def backward_programs(device: torch.device) -> Optional[int]:
 def _backward_static(cfg: FlashConfig, kv_len: int, kq: torch.Tensor, kk: torch.Tensor, device: torch.device,
                      tma_edges: bool) -> dict:
     """The backward kernel's settings for the kernel views kq (queries) and kk (keys, padded or in place
-    with `tma_edges`): the persistent grid on `device` and the head splits it wants
-    (`calls.hopper_head_splits`)."""
+    with `tma_edges`): the persistent grid on `device`, the head splits it wants
+    (`calls.hopper_head_splits`) and its clusters (`calls.hopper_backward_cluster`)."""
     programs = backward_programs(device)
-    batch, _, heads, d = kq.shape
+    batch, rows, heads, d = kq.shape
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], kk.shape[1], d, persistent=programs is not None,
                                       kv_batch=kk.shape[0])
-    return dict(_static(cfg, kv_len), head_splits=splits, programs=programs, tma_edges=tma_edges)
+    # An item walks the query rows of its share of the (batch, head) pairs that read one KV head.
+    walked = rows * (batch // kk.shape[0]) * (heads // kk.shape[2]) // splits
+    cluster = calls.hopper_backward_cluster(walked, kk.shape[1], d, programs)
+    return dict(_static(cfg, kv_len), head_splits=splits, programs=programs, cluster=cluster, tma_edges=tma_edges)
 
 
 def hopper_forward(q, k, v, cfg: FlashConfig, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

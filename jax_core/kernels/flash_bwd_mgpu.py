@@ -37,6 +37,11 @@ warpgroups store the last item's dK and dV and load its K and V. Per program:
       warpgroup's dK and dV would not fit in its registers: there the two share the item's keys
       (block_kv = 32, items of 64 keys) and split the scores by query rows and the gradients by
       columns, with one dO slot (`flash_bwd_mgpu_wide.py`).
+    * with `cluster=2` the programs run in clusters of two on adjacent items of one KV head and
+      split, stepping through the query blocks either one's keys see together: the memory
+      warpgroups each load half of a block and multicast it to both, a slot is free once all four
+      compute warpgroups of the cluster have read it, and a program skips the blocks only the other
+      one's keys see (`_Item`, `_walk_item`).
     * dQ: every program adds its partial dQ into dq_accum by a TMA reduce-add (float32, in L2).
       The sum is therefore not bit-reproducible run to run (the order of the adds varies); the
       Triton kernels remain the deterministic backward.
@@ -193,15 +198,15 @@ class _Walk(NamedTuple):
     per_head: object
 
 
-def _q_range(kv_start, cfg):
-    """The `_Walk` of the program whose keys are [kv_start, kv_start + 2 * block_kv).
+def _q_range(kv_start, cfg, keys=None):
+    """The `_Walk` of the program whose keys are [kv_start, kv_start + keys) (default 2 * block_kv).
 
     Row i sees key j iff i + diag_offset - left <= j <= i + diag_offset + right: rows before
     kv_start - diag_offset - right see none of the program's keys (they all lie right of the band),
     nor do rows after its last real key - diag_offset + left; rows from its last key - diag_offset -
     right on clear the right edge for all of them, rows up to kv_start - diag_offset + left the left."""
     block_q, n = jnp.int32(cfg.block_q), cfg.num_q_blocks
-    program_end = kv_start + COMPUTE_WGS * cfg.block_kv  # one past the program's last key
+    program_end = kv_start + (COMPUTE_WGS * cfg.block_kv if keys is None else keys)  # one past the last key
     first = jnp.int32(0)
     if cfg.right is not None:
         first = jnp.minimum(lax.div(jnp.maximum(kv_start - (cfg.diag_offset + cfg.right), 0), block_q), n)
@@ -258,6 +263,7 @@ class _Settings(NamedTuple):
     group: int  # query heads per KV head
     batches: int  # query batches per KV batch (`batch_group`: (batch, head) pairs folded into the batch)
     splits: int  # items per (KV batch and head, key block) that share its query sources (`head_splits`)
+    cluster: int  # programs per cluster, walking adjacent key blocks in step (`_Item`; 1 or 2)
     num_q_blocks: int
     items: _Items
     interpret: object  # interpret-mode parameters, or None on the GPU
@@ -309,6 +315,13 @@ def _ring_barriers(cfg: _Settings):
     once) and of the Q, dO, LSE and delta rings (ready per slot; free per slot, one arrival per
     compute warpgroup)."""
     stages, do_slots = cfg.stages, cfg.do_stages
+    if cfg.cluster > 1 and cfg.interpret is None:
+        # A slot is refilled by a load multicast to every program of the cluster: all of them must
+        # have read it. (The interpreter has no cluster barriers, and there every program loads whole
+        # blocks itself: its own readers are all a slot waits for.)
+        free = functools.partial(plgpu.ClusterBarrier, collective_axes=("pair",))
+    else:
+        free = plgpu.Barrier
     return dict(
         k_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         v_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
@@ -316,8 +329,8 @@ def _ring_barriers(cfg: _Settings):
         do_ready=plgpu.Barrier(num_barriers=do_slots),
         lse_ready=plgpu.Barrier(num_barriers=stages),
         delta_ready=plgpu.Barrier(num_barriers=do_slots),
-        q_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-        do_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=do_slots),
+        q_free=free(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        do_free=free(num_arrivals=COMPUTE_WGS, num_barriers=do_slots),
     )
 
 
@@ -363,6 +376,9 @@ def _staging(d, dtype, block_q, block_kv, union, tiled, *, on_gpu):
 
 def _warpgroups(refs, bufs, bars, cfg: _Settings):
     program, wg = lax.axis_index("programs"), lax.axis_index("wg")
+    # A program's place in its cluster, read here once: Mosaic GPU's interpreter (jax 0.10) cannot
+    # lower a cluster index taken inside a loop's body.
+    rank = lax.axis_index("pair") if cfg.cluster > 1 else 0
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
@@ -372,34 +388,40 @@ def _warpgroups(refs, bufs, bars, cfg: _Settings):
 
             compute_wide(refs, bufs, bars, cfg, program=program, wg=wg)
         else:
-            _compute(refs, bufs, bars, cfg, program=program, wg=wg)
+            _compute(refs, bufs, bars, cfg, program=program, wg=wg, rank=rank)
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(24, action="decrease")
-        _memory(refs, bufs, bars, cfg, program=program)
+        _memory(refs, bufs, bars, cfg, program=program, rank=rank)
 
 
 class _Item(NamedTuple):
     """One item of a program's work: `2 * block_kv` keys from `kv_start` of KV head `kv_head` in KV
     batch `batch`, against query sources [first_source, first_source + sources_per_item) (split
-    `part` of `splits`; `_Settings.sources`), whose query blocks `walk` says."""
+    `part` of `splits`; `_Settings.sources`), whose query blocks `walk` says.
+
+    In a cluster of two programs (`cluster`), the two take adjacent key blocks of one KV head and
+    split, and step through the query blocks that either one's keys see (`steps`, the union of
+    their walks) together: each step's Q and dO blocks are loaded once, half by each program's TMA,
+    and multicast to both. A program skips the steps outside its own `walk`."""
     batch: object
     kv_head: object
     part: object
     first_source: object
     kv_start: object
     walk: _Walk
+    shared: _Walk  # the query blocks the cluster steps through (`walk` itself without a cluster)
 
     def steps(self, cfg):
-        """Query blocks walked: per source, then source after source."""
-        return cfg.sources_per_item * self.walk.per_head
+        """Query blocks stepped through: per source, then source after source."""
+        return cfg.sources_per_item * self.shared.per_head
 
     def block(self, step, cfg):
         """(query batch, query head, first row) of the item's `step`-th query block."""
-        per_head = self.walk.per_head
+        per_head = self.shared.per_head
         source = self.first_source + lax.div(step, per_head)
-        rows = (self.walk.first + lax.rem(step, per_head)) * cfg.block_q
+        rows = (self.shared.first + lax.rem(step, per_head)) * cfg.block_q
         if cfg.batches == 1:
             return self.batch, self.kv_head * cfg.group + source, rows
         group = jnp.int32(cfg.group)
@@ -407,25 +429,34 @@ class _Item(NamedTuple):
                 rows)
 
 
-def _item(program, j, cfg: _Settings):
-    """`program`'s j-th `_Item`."""
-    batch, column, key_block = cfg.items.at(program, j)
+def _item(program, j, cfg: _Settings, rank=0):
+    """`program`'s j-th `_Item` (with clusters, `program` numbers the cluster and `rank` is the
+    program's place in it)."""
+    batch, column, cluster_block = cfg.items.at(program, j)
     # A column folds (KV head, split): split `part` walks query sources
     # [part * sources_per_item, (part + 1) * sources_per_item) of the KV batch and head.
     kv_head, part = lax.div(column, cfg.splits), lax.rem(column, cfg.splits)
-    kv_start = key_block * (COMPUTE_WGS * cfg.block_kv)
-    return _Item(batch, kv_head, part, part * cfg.sources_per_item, kv_start, _q_range(kv_start, cfg))
+    keys = COMPUTE_WGS * cfg.block_kv
+    if cfg.cluster == 1:
+        kv_start = cluster_block * keys
+        walk = shared = _q_range(kv_start, cfg)
+    else:  # the cluster's `cluster` adjacent key blocks, this program's the rank-th
+        cluster_start = cluster_block * (cfg.cluster * keys)
+        kv_start = cluster_start + rank * keys
+        walk, shared = _q_range(kv_start, cfg), _q_range(cluster_start, cfg, keys=cfg.cluster * keys)
+    return _Item(batch, kv_head, part, part * cfg.sources_per_item, kv_start, walk, shared)
 
 
-def _memory(refs, bufs, bars, cfg: _Settings, *, program):
+def _memory(refs, bufs, bars, cfg: _Settings, *, program, rank):
     block_q, stages, do_slots = cfg.block_q, cfg.stages, cfg.do_stages
     q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
     _, _, q_smem, do_smem, lse_smem, delta_smem = bufs[:6]
+    pair = "pair" if cfg.cluster > 1 else None  # Q and dO multicast to the cluster (LSE, delta: each its own)
 
     def item(j, loaded):
         """Streams the j-th item's query blocks; `loaded` counts the blocks of the earlier items (block
         number n goes to ring slot n % stages: the ring runs on from item to item)."""
-        it = _item(program, j, cfg)
+        it = _item(program, j, cfg, rank)
 
         @pl.loop(0, it.steps(cfg))
         def _(step):
@@ -440,14 +471,15 @@ def _memory(refs, bufs, bars, cfg: _Settings, *, program):
             @jax.named_scope("slot_wait")
             def _():
                 plgpu.barrier_wait(bars["q_free"].at[slot])
-            plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[slot], bars["q_ready"].at[slot])
+            plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[slot], bars["q_ready"].at[slot], collective_axes=pair)
             plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], bars["lse_ready"].at[slot])
 
             @pl.when(n >= do_slots)
             @jax.named_scope("do_slot_wait")
             def _():
                 plgpu.barrier_wait(bars["do_free"].at[do_slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[block], do_smem.at[do_slot], bars["do_ready"].at[do_slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[block], do_smem.at[do_slot], bars["do_ready"].at[do_slot],
+                                    collective_axes=pair)
             plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[do_slot], bars["delta_ready"].at[do_slot])
         return loaded + it.steps(cfg)
 
@@ -517,7 +549,7 @@ def _mma(*terms, on_gpu):
     return list(pl.run_state(issue)(tuple(plgpu.ACC.init(init(acc)) for acc, _, _ in terms)))
 
 
-def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
+def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg, rank):
     scale, interpret = cfg.scale, cfg.interpret
     block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     _, k_ref, v_ref, _, _, _, dq_ref, dk_ref, dv_ref = refs
@@ -535,6 +567,11 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
     scale_log2 = (scale if cfg.softcap is None else cfg.softcap) * LOG2E
 
     items = cfg.items.count(program)
+
+    def part_of(w):
+        """The interpreter's dQ buffer of warpgroup w (`_store_dq`): one per warpgroup of the cluster,
+        whose programs the interpreter runs at once."""
+        return rank * COMPUTE_WGS + w
     # Whether the K and V tiles are never the source of a store (dK and dV leave through the staging
     # tiles): then the next item's K and V load as soon as this item's walk has read them.
     early_kv = cfg.out_staging or cfg.splits > 1
@@ -542,7 +579,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
     def load_kv(j):
         """Starts the loads of this warpgroup's K and V tiles of item j, both at once (a short walk, a
         few query blocks, waits for one load, not two in turn)."""
-        it = _item(program, j, cfg)
+        it = _item(program, j, cfg, rank)
         kv_block = (it.batch, pl.ds(it.kv_start + wg * block_kv, block_kv), it.kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem, bars["k_ready"].at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem, bars["v_ready"].at[wg])
@@ -550,7 +587,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
     def item(j, loaded):
         """The j-th item; `loaded` counts the query blocks of the earlier ones, as the memory warpgroup
         does: step `step` reads ring slot (loaded + step) % stages."""
-        it = _item(program, j, cfg)
+        it = _item(program, j, cfg, rank)
         batch, kv_head, part = it.batch, it.kv_head, it.part
         keys = it.kv_start + wg * block_kv
         if early_kv:  # loaded as the last item's walk ended (the first item's now)
@@ -604,7 +641,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                                       on_gpu=on_gpu)
                 plgpu.barrier_arrive(bars["do_free"].at[slot])
                 plgpu.barrier_arrive(bars["q_free"].at[slot])
-                _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (wg, *dq_rows)], on_gpu=on_gpu)
+                _store_dq(dq, dq_smem, dq_ref.at[dq_rows if on_gpu else (part_of(wg), *dq_rows)], on_gpu=on_gpu)
                 return dk, dv
             ds_both = ds_all.at[lax.rem(n, 2)]
             with jax.named_scope("ds_store"):
@@ -634,12 +671,22 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
                         target = (q_batch, pl.ds(rows + w * (block_q // 2), block_q // 2), head)
                     with jax.named_scope("dq"):
                         dq, = _mma((dq_smem.shape, ds_parts, k_parts), on_gpu=on_gpu)
-                    _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (w, *target)], on_gpu=on_gpu)
+                    _store_dq(dq, dq_smem, dq_ref.at[target if on_gpu else (part_of(w), *target)], on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["q_free"].at[slot])
             return dk, dv
 
+        def skip_step(step, carry):
+            """A query block only the cluster's other program's keys see: its loads are waited for
+            (every barrier phase is consumed, and the slot is released only once its data is in)."""
+            slot = lax.rem(loaded + step, jnp.int32(stages))
+            for name in ("q_ready", "lse_ready", "do_ready", "delta_ready"):
+                plgpu.barrier_wait(bars[name].at[slot])
+            plgpu.barrier_arrive(bars["do_free"].at[slot])
+            plgpu.barrier_arrive(bars["q_free"].at[slot])
+            return carry
+
         zeros = _layout(jnp.zeros((block_kv, d), jnp.float32), on_gpu=on_gpu)
-        dk, dv = _walk_item(it, cfg, q_step, (zeros, zeros))
+        dk, dv = _walk_item(it, cfg, q_step, (zeros, zeros), skip_step)
         with jax.named_scope("kv_out"):  # the walk ends: dK and dV leave
             if split:  # the other warpgroup's last dQ product reads this one's K: let it finish
                 plgpu.barrier_arrive(bars["ds_ready"])
@@ -681,19 +728,33 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _walk_item(it, cfg: _Settings, q_step, carry):
-    """`carry` through q_step(step, carry, masked=...) over the item's query blocks, source after
-    source: per source, steps [0, lo) and [hi, per_head) cross a band edge (or hold keys past kv_len)
-    and are masked, the others not."""
-    lo, hi = it.walk.full_lo - it.walk.first, it.walk.full_hi - it.walk.first
+def _walk_item(it, cfg: _Settings, q_step, carry, skip_step=None):
+    """`carry` through the item's steps, source after source: per source, the steps of the program's
+    own walk [start, end) run q_step(step, carry, masked=...), masked where they cross a band edge (or
+    hold keys past kv_len): [start, lo) and [hi, end), the others not. In a cluster the steps before
+    `start` and from `end` on (query blocks only the other program's keys see) run skip_step(step,
+    carry) instead; without one the own walk is all the steps."""
+    per_head = it.shared.per_head
+    if cfg.cluster == 1:
+        start, end = 0, per_head
+        lo, hi = it.walk.full_lo - it.walk.first, it.walk.full_hi - it.walk.first
+    else:
+        start = jnp.clip(it.walk.first - it.shared.first, 0, per_head)
+        end = jnp.clip(start + it.walk.per_head, start, per_head)
+        lo = jnp.clip(start + (it.walk.full_lo - it.walk.first), start, end)
+        hi = jnp.clip(start + (it.walk.full_hi - it.walk.first), lo, end)
 
     def source_walk(g, carry):
-        base = g * it.walk.per_head
+        base = g * per_head
+        if cfg.cluster > 1:
+            carry = lax.fori_loop(base, base + start, skip_step, carry)
         if cfg.right is not None or cfg.ragged_end:
-            carry = lax.fori_loop(base, base + lo, functools.partial(q_step, masked=True), carry)
+            carry = lax.fori_loop(base + start, base + lo, functools.partial(q_step, masked=True), carry)
         carry = lax.fori_loop(base + lo, base + hi, functools.partial(q_step, masked=False), carry)
         if cfg.left is not None:
-            carry = lax.fori_loop(base + hi, base + it.walk.per_head, functools.partial(q_step, masked=True), carry)
+            carry = lax.fori_loop(base + hi, base + end, functools.partial(q_step, masked=True), carry)
+        if cfg.cluster > 1:
+            carry = lax.fori_loop(base + end, base + per_head, skip_step, carry)
         return carry
 
     return lax.fori_loop(0, cfg.sources_per_item, source_walk, carry)
@@ -751,17 +812,17 @@ def _store_dq(dq, dq_smem, dq_gmem, *, on_gpu):
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dq_smem, dq_gmem, reduction_op="add")
         return
-    # The interpreter has no TMA reduction. It runs one program at a time, and each warpgroup adds
-    # into its own buffer (`dq_gmem` is warpgroup w's slice), so a read-modify-write is exact.
+    # The interpreter has no TMA reduction. It runs one program (one cluster) at a time, and each
+    # warpgroup adds into its own buffer (`dq_gmem` is its slice), so a read-modify-write is exact.
     dq_smem[...] = dq_gmem[...] + dq
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dq_smem, dq_gmem)
     plgpu.wait_smem_to_gmem(0)
 
 
-def padded_lengths(l, s, *, block_q=64, block_kv=64):
-    """(L, S) rounded up to the kernel's whole tiles: block_q query rows, 2 * block_kv keys."""
-    keys = COMPUTE_WGS * block_kv
+def padded_lengths(l, s, *, block_q=64, block_kv=64, cluster=1):
+    """(L, S) rounded up to the kernel's whole tiles: block_q query rows, cluster * 2 * block_kv keys."""
+    keys = cluster * COMPUTE_WGS * block_kv
     return pl.cdiv(l, block_q) * block_q, pl.cdiv(s, keys) * keys
 
 
@@ -775,7 +836,7 @@ def _pad(x, length, axis, value=0):
 
 
 def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, diag_offset=0, block_q=64,
-                        block_kv=64, stages=2, window=None, softcap=None, head_splits=1, programs=None,
+                        block_kv=64, stages=2, window=None, softcap=None, head_splits=1, programs=None, cluster=1,
                         interpret=None):
     """(dq_accum + dQ, dK, dV) of softmax(scale * q k^T [causal, window, soft cap]) v, any L, S >= 1;
     see the module docstring.
@@ -789,12 +850,14 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
     dK, dV are summed here. `programs`: None for one program per item (2 * block_kv keys of one KV
     head and split), or the size of a persistent grid (the GPU's multiprocessor count) whose
     programs walk the items in turn, the query-block ring running on from one to the next.
+    `cluster`: 1, or 2 for clusters of two programs taking adjacent key blocks, which load each
+    query block once for both (`_Item`; `programs` then even, head dim 64 or 128).
     `interpret`: Mosaic GPU interpret-mode parameters to run on a CPU, or None
     to compile for the GPU."""
     _check(q, k, v, do, lse_log2, delta, dq_accum, scale=scale, diag_offset=diag_offset, window=window,
            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages)
     l, s = q.shape[1], k.shape[1]
-    rows, keys = padded_lengths(l, s, block_q=block_q, block_kv=block_kv)
+    rows, keys = padded_lengths(l, s, block_q=block_q, block_kv=block_kv, cluster=cluster)
     # Padded query rows: zero q and do, +inf LSE (their probabilities are 0) and zero delta, so they
     # add nothing to dK, dV; padded keys (zero K, V) are masked as keys >= kv_len.
     q, do, dq_accum = (_pad(x, rows, 1) for x in (q, do, dq_accum))
@@ -803,7 +866,7 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
     dq, dk, dv = _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap, kv_len=s,
         block_q=block_q, block_kv=block_kv, stages=stages, head_splits=head_splits, programs=programs,
-        interpret=interpret))
+        cluster=cluster, interpret=interpret))
     if head_splits > 1:
         dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
     if rows != l:
@@ -815,7 +878,7 @@ def flash_backward_mgpu(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal
 
 def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, causal, kv_len=None, diag_offset=0,
                               block_q=64, block_kv=64, stages=2, window=None, softcap=None, head_splits=1,
-                              programs=None, tma_edges=False, interpret=None):
+                              programs=None, cluster=1, tma_edges=False, interpret=None):
     """`flash_backward_mgpu` on whole tiles: L a multiple of block_q, S of 2 * block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding. Padded query rows
     must hold lse_log2 = +inf and delta = 0 (they then add nothing to dK, dV; their dQ is computed
@@ -839,11 +902,11 @@ def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, 
     return _launch(q, k, v, do, lse_log2, delta, dq_accum, cfg=_settings(
         q, k, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
         kv_len=int(kv_len), block_q=block_q, block_kv=block_kv, stages=stages, head_splits=head_splits,
-        programs=programs, interpret=interpret))
+        programs=programs, cluster=cluster, interpret=interpret))
 
 
 def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, block_q, block_kv, stages, head_splits,
-              programs, interpret):
+              programs, cluster, interpret):
     """The kernel's static settings for checked arguments (whole tiles, or the last ones running past L
     and S with `tma_edges`)."""
     group, batches = q.shape[2] // k.shape[2], batch_group(q, k)
@@ -859,11 +922,15 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0
-    b, columns, key_blocks = k.shape[0], k.shape[2] * head_splits, pl.cdiv(k.shape[1], COMPUTE_WGS * block_kv)
+    _check_cluster(cluster, programs, q.shape[3], k.shape[1], block_kv)
+    b, columns = k.shape[0], k.shape[2] * head_splits
+    key_blocks = pl.cdiv(k.shape[1], cluster * COMPUTE_WGS * block_kv)  # a cluster's adjacent blocks
+    programs = None if programs is None else programs // cluster  # clusters
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
-                     stages=stages, group=group, batches=batches, splits=head_splits, wide=wide(q.shape[3]),
+                     stages=stages, group=group, batches=batches, splits=head_splits, cluster=cluster,
+                     wide=wide(q.shape[3]),
                      do_stages=do_stages(q.shape[3], stages),
                      out_staging=out_staging(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q=block_q,
                                              block_kv=block_kv, stages=stages, splits=head_splits),
@@ -872,11 +939,31 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
                      interpret=interpret)
 
 
+def _check_cluster(cluster, programs, d, s, block_kv):
+    """Raises ValueError naming `cluster` unless it is 1, or 2 where two programs can pair up."""
+    if cluster == 1:
+        return
+    reason = None
+    if cluster != 2 or isinstance(cluster, bool):
+        reason = "expected 1 or 2 (programs per cluster)"
+    elif wide(d):
+        reason = f"head dim {d}: clusters are for head dims 64 and 128"
+    elif programs is not None and programs % 2:
+        reason = f"programs={programs}: a persistent grid of clusters of two needs an even size"
+    elif s % (cluster * COMPUTE_WGS * block_kv):
+        reason = (f"S={s}: expected a multiple of cluster * 2 * block_kv = {cluster * COMPUTE_WGS * block_kv} "
+                  "(`padded_lengths` with the cluster)")
+    if reason:
+        raise ValueError(f"cluster={cluster!r}: {reason}; hint: cluster=1")
+
+
 def _launch(q, k, v, do, lse_log2, delta, dq_accum, *, cfg: _Settings):
     """The kernel call on whole tiles (arguments checked)."""
     interpret = cfg.interpret
+    # With clusters, "programs" numbers the clusters and "pair" a program's place in its cluster.
+    clusters = dict(cluster=(cfg.cluster,), cluster_names=("pair",)) if cfg.cluster > 1 else {}
     mesh = plgpu.Mesh(grid=(cfg.items.programs,), grid_names=("programs",), num_threads=COMPUTE_WGS + 1,
-                      thread_name="wg")
+                      thread_name="wg", **clusters)
     if cfg.splits == 1:
         grads_kv = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     else:  # float32 partial sums per split (every element written by one program)
@@ -890,9 +977,9 @@ def _launch(q, k, v, do, lse_log2, delta, dq_accum, *, cfg: _Settings):
         dk, dv = run(q, k, v, do, lse_log2, delta, dq_ref)
         return dq_ref[...], dk, dv
     # The interpreter takes no mutable refs: one zero-initialised float32 output per compute
-    # warpgroup takes its partial sums instead (`_store_dq`).
+    # warpgroup of a cluster takes its partial sums instead (`_store_dq`).
     interpret = dataclasses.replace(interpret, uninitialized_memory="zero")
-    parts = jax.ShapeDtypeStruct((COMPUTE_WGS, *q.shape), jnp.float32)
+    parts = jax.ShapeDtypeStruct((cfg.cluster * COMPUTE_WGS, *q.shape), jnp.float32)
     run = kernel(lambda *r: _program(*r[:6], r[8], *r[6:8], cfg=cfg), out_type=(*grads_kv, parts),
                  interpret=interpret)
     dk, dv, dq_parts = run(q, k, v, do, lse_log2, delta)
