@@ -274,11 +274,11 @@ def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: in
 #: walks, over block_q) for which the backward runs in clusters of two programs on adjacent key
 #: blocks, each query block loaded once for both by a multicast (`flash_bwd_mgpu`'s `cluster=2`).
 #: Backward alone on the persistent grid, causal bf16, H200, µs, one program / clusters of two
-#: (BENCHMARKS.md "Clusters of two in the backward"), walks of 8 to 16 blocks: (16, 16, 1024, 64)
-#: 353-376 / 332-358, (16, 1024, 16/8 heads, 64) 336 / 315, (8, 16, 1024, 128) 332-342 / 299-310,
-#: (8, 16, 2048, 64) 553 / 535; of 32 and more, slower in clusters: (4, 16, 2048, 128) 430 / 450,
-#: (4, 2048, 16/8, 64) 241 / 264, (4, 16, 4096, 64) 776-794 / 913-948, (2, 16, 8192, 128) 2767-2830 /
-#: 2823-2870.
+#: (BENCHMARKS.md "Moving less data, measured; clusters of two in the backward"; medians of several
+#: runs), walks of 8 to 16 blocks: (16, 16, 1024, 64) 352-376 / 334-358, (16, 1024, 16/8 heads, 64)
+#: 336 / 315, (8, 16, 1024, 128) 330-337 / 299-306, (8, 16, 2048, 64) 553 / 535; of 32 and more,
+#: slower in clusters: (4, 16, 2048, 128) 430 / 450, (4, 2048, 16/8, 64) 241 / 264, (4, 16, 4096, 64)
+#: 776-795 / 905-936, (2, 16, 8192, 128) 2713-2830 / 2823-2853.
 HOPPER_BACKWARD_CLUSTER_MOST_STEPS = 16
 
 
