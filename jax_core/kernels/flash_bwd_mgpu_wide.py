@@ -26,8 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_bwd_mgpu import (COMPUTE_WGS, LOG2E, WIDE_DQ_COLS, _capped, _ds, _hide, _item, _layout, _load_vector, _mma,
-                             _per_step, _soft_cap, _store_dq, _T, _walk_item)
+from .flash_bwd_mgpu import (COMPUTE_WGS, LOG2E, WIDE_DQ_COLS, _capped, _ds, _hide, _layout, _load_vector, _mma,
+                             _per_step, _soft_cap, _store_dq, _T)
+from .flash_bwd_mgpu_walks import _item, _walk_item
 
 
 def compute_wide(refs, bufs, bars, cfg, *, program, wg):
