@@ -282,15 +282,19 @@ def hopper_head_splits(batch: int, num_q_heads: int, num_kv_heads: int, keys: in
 HOPPER_BACKWARD_CLUSTER_MOST_STEPS = 16
 
 
-def hopper_backward_cluster(rows_walked: int, keys: int, head_dim: int, programs: Optional[int]) -> int:
-    """`cluster` of the Hopper backward: 2 where an item walks at most
-    HOPPER_BACKWARD_CLUSTER_MOST_STEPS query blocks (`rows_walked`: its query length times the query
-    heads per item) on a persistent grid (`programs`, even) and the `keys` (the kernel's, padded or in
-    place) are whole pairs of items; else 1. Head dim 256 runs without clusters."""
+@functools.lru_cache(maxsize=1024)  # asked per backward call (torch launch): once per signature
+def hopper_backward_cluster(batch: int, num_q_heads: int, kv_batch: int, num_kv_heads: int, rows: int, keys: int,
+                            head_dim: int, head_splits: int, programs: Optional[int]) -> int:
+    """`cluster` of the Hopper backward over the kernel's `rows` query rows and `keys` keys (padded or
+    in place): 2 where an item walks at most HOPPER_BACKWARD_CLUSTER_MOST_STEPS query blocks (its share
+    of the query (batch, head) pairs that read one KV (batch, head), `rows` each) on a persistent grid
+    (`programs`, even) and the keys are whole pairs of items; else 1. Head dim 256 runs without
+    clusters."""
     if head_dim not in (64, 128) or programs is None or programs % 2:
         return 1
     tiles = HOPPER_TILES["backward"][head_dim]
-    steps = -(-rows_walked // tiles["block_q"])
+    sources = (batch // kv_batch) * (num_q_heads // num_kv_heads) // head_splits
+    steps = -(-(rows * sources) // tiles["block_q"])
     pair_keys = 2 * 2 * tiles["block_kv"]
     return 2 if steps <= HOPPER_BACKWARD_CLUSTER_MOST_STEPS and keys % pair_keys == 0 else 1
 

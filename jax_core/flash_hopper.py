@@ -96,8 +96,8 @@ def _vjp_backward(settings: _Settings, residuals, cotangents):
     programs = None if settings.interpret is not None else hopper_backward_programs(device_multiprocessors(0))
     splits = hopper_head_splits(q.shape[0], q.shape[2], k.shape[2], keys, q.shape[-1], persistent=programs is not None)
     rows = hopper_padded_lengths(q.shape[1], k.shape[1], q.shape[-1], backward=True)[0]
-    walked = rows * (q.shape[0] // k.shape[0]) * (q.shape[2] // k.shape[2]) // splits  # query rows an item walks
-    cluster = hopper_backward_cluster(walked, keys, q.shape[-1], programs)
+    cluster = hopper_backward_cluster(q.shape[0], q.shape[2], k.shape[0], k.shape[2], rows, keys, q.shape[-1], splits,
+                                      programs)
     dq, dk, dv = flash_backward_mgpu(q, k, v, dout, lse_log2, delta, jnp.zeros(q.shape, jnp.float32),
                                      head_splits=splits, programs=programs, cluster=cluster,
                                      **settings.kernel_keywords(q.shape[-1], k.shape[1], "backward"))

@@ -255,9 +255,8 @@ def _backward_static(cfg: FlashConfig, kv_len: int, kq: torch.Tensor, kk: torch.
     batch, rows, heads, d = kq.shape
     splits = calls.hopper_head_splits(batch, heads, kk.shape[2], kk.shape[1], d, persistent=programs is not None,
                                       kv_batch=kk.shape[0])
-    # An item walks the query rows of its share of the (batch, head) pairs that read one KV head.
-    walked = rows * (batch // kk.shape[0]) * (heads // kk.shape[2]) // splits
-    cluster = calls.hopper_backward_cluster(walked, kk.shape[1], d, programs)
+    cluster = calls.hopper_backward_cluster(batch, heads, kk.shape[0], kk.shape[2], rows, kk.shape[1], d, splits,
+                                            programs)
     return dict(_static(cfg, kv_len), head_splits=splits, programs=programs, cluster=cluster, tma_edges=tma_edges)
 
 
