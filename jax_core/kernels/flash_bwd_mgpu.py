@@ -799,7 +799,7 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
                      out_staging=out_staging(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q=block_q,
                                              block_kv=block_kv, stages=stages, splits=head_splits),
                      num_q_blocks=pl.cdiv(q.shape[1], block_q),
-                     items=_Items(batch=b, columns=columns, waves=waves(b * columns * key_blocks, programs)),
+                     items=_Items(batch=b, columns=columns, waves=waves(b * columns * key_blocks, programs, columns=b * columns)),
                      interpret=interpret)
 
 

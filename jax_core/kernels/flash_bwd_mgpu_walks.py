@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .flash_mgpu_checks import COMPUTE_WGS
-from .persistent_waves import DealtWork, Waves
+from .persistent_waves import Dealing, DealtWork
 
 
 class _Walk(NamedTuple):
@@ -68,7 +68,7 @@ class _Items(DealtWork):
     persistent grid, one per multiprocessor, or one program per item)."""
     batch: int
     columns: int  # KV heads times splits
-    waves: Waves
+    waves: Dealing
 
     def at(self, program, j):
         """(batch, column, key block) of `program`'s j-th item (in wave j)."""

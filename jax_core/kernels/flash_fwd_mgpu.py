@@ -69,7 +69,7 @@ from .mgpu_band import keep_band
 from .flash_mgpu_checks import (FORWARD_HEAD_DIMS, batch_group, check_arrays, check_blocks, check_compute_wgs,
                                 check_features, check_tiling, check_whole_tiles, forward_q_slots)
 from .mgpu_timeline import compiler_params
-from .persistent_waves import DealtWork, Waves, waves
+from .persistent_waves import Dealing, DealtWork, waves
 
 LOG2E = math.log2(math.e)
 # The running max starts finite: a fully masked block (all scores -inf) then gives exp2(-inf) = 0
@@ -187,7 +187,7 @@ class _Tiles(DealtWork):
     heads: int
     q_blocks: int
     rows: int  # query rows per tile
-    waves: Waves
+    waves: Dealing
 
     def at(self, program, j):
         """(batch, head, first row) of `program`'s j-th tile (in wave j)."""
@@ -334,7 +334,7 @@ def _tiles(q_shape, block_q, compute_wgs, programs):
     b, l, hq, _ = q_shape
     q_blocks = pl.cdiv(l, compute_wgs * block_q)
     return _Tiles(batch=b, heads=hq, q_blocks=q_blocks, rows=compute_wgs * block_q,
-                  waves=waves(b * hq * q_blocks, programs))
+                  waves=waves(b * hq * q_blocks, programs, columns=b * hq))
 
 
 def _checked_band(q, k, v, *, scale, causal, diag_offset, window, softcap, sinks, block_q, block_kv, stages,
