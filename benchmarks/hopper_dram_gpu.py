@@ -45,6 +45,8 @@ def _profiled(shapes: str, variants: str) -> None:
     for shape, forward, name, call in todo:
         print(f"## {'x'.join(map(str, shape))} {'forward' if forward else 'backward'} {name}", flush=True)
         cudart.cudaProfilerStart()
+        torch.cuda._sleep(1)  # a `spin_kernel`: where this call's kernels begin (a call may launch several)
+        torch.cuda.synchronize()
         _sync(name, call())
         cudart.cudaProfilerStop()
 
@@ -57,17 +59,19 @@ def _table(text: str) -> list[dict]:
     for r in records:
         k = kernels.setdefault(int(r["ID"]), {"kernel": r["Kernel Name"][:60], "grid": r["Grid Size"]})
         k[r["Metric Name"]] = float(r["Metric Value"].replace(",", ""))
-    # Kernels come in launch order; a call's kernels are the ones up to the next call's first. The
-    # Mosaic GPU kernels are one per call (their names: *mosaic_gpu*); cuDNN's backward is three.
-    rows, ids, i = [], sorted(kernels), 0
-    for n, (shape, part, name) in enumerate(calls):
-        take = 3 if (name == "cudnn" and part == "backward") else 1
-        for kid in ids[i:i + take]:
-            k = kernels[kid]
-            rows.append(dict(shape=shape, part=part, row=name, kernel=k["kernel"], grid=k["grid"],
-                             dram_read_mb=k["dram__bytes_read.sum"] / 1e6, dram_write_mb=k["dram__bytes_write.sum"] / 1e6,
-                             l2_hit_pct=k["lts__t_sector_hit_rate.pct"], us=k["gpu__time_duration.sum"] / 1e3))
-        i += take
+    # Kernels come in launch order, each call's after a spin kernel.
+    rows, call = [], -1
+    for kid in sorted(kernels):
+        k = kernels[kid]
+        if "spin_kernel" in k["kernel"]:
+            call += 1
+            continue
+        if not 0 <= call < len(calls):
+            raise ValueError(f"kernel {k['kernel']!r} (ncu ID {kid}) before the first call's marker")
+        shape, part, name = calls[call]
+        rows.append(dict(shape=shape, part=part, row=name, kernel=k["kernel"], grid=k["grid"],
+                         dram_read_mb=k["dram__bytes_read.sum"] / 1e6, dram_write_mb=k["dram__bytes_write.sum"] / 1e6,
+                         l2_hit_pct=k["lts__t_sector_hit_rate.pct"], us=k["gpu__time_duration.sum"] / 1e3))
     return rows
 
 
