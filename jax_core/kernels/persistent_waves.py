@@ -1,5 +1,5 @@
 """How a persistent grid of the Hopper kernels (flash_fwd_mgpu.py, flash_bwd_mgpu.py) deals its work
-items to its programs. Imports only JAX.
+items to its programs. Imports only JAX and NumPy.
 
 The caller numbers its items longest first (the forward: query tiles, last rows first; the backward:
 key blocks, first keys first, the longest causal walks). `Waves` deals them in waves of `programs`,
@@ -13,7 +13,7 @@ few blocks of every head, and the programs working at once read the K and V (for
 dQ (backward) of every head: far more than L2 holds, so each wave read them from DRAM again (the
 head-dim-128 forward at (2, 16, 8192) read 1156 MB where its inputs are 201 MB, the backward 2581 MB
 and wrote 1356 MB). `GroupedWaves` therefore takes the columns a few at a time (a group: the fewest
-whose items fill a wave of programs) and deals each group's items in waves as above, the groups one
+whose items fill a wave of programs and keep the totals level, `l2_group`) and deals each group's items in waves as above, the groups one
 after another, every second one mirrored (program p in the place of programs - 1 - p, so that the
 programs short of an item in one group are first in the next). The programs working at once then
 share the data of a group's heads, which L2 serves to all of them from one read.
@@ -192,8 +192,10 @@ def waves(total: int, programs: Optional[int], columns: int = 1) -> Dealing:
     if total % columns:
         raise ValueError(f"columns={columns}: expected a divisor of the {total} items (numbered block by block "
                          "over the columns); hint: pass the batch size times the heads")
-    plain = Waves(total=int(total), programs=int(total) if programs is None else min(int(programs), int(total)))
+    if programs is None:
+        return Waves(total=int(total), programs=int(total))
+    plain = Waves(total=int(total), programs=min(int(programs), int(total)))
     group = l2_group(int(columns), int(total) // int(columns), plain.programs)
-    if programs is None or group == columns:
+    if group == columns:
         return plain
     return GroupedWaves(columns=int(columns), blocks=int(total) // int(columns), programs=plain.programs, group=group)
