@@ -192,10 +192,11 @@ def waves(total: int, programs: Optional[int], columns: int = 1) -> Dealing:
     if total % columns:
         raise ValueError(f"columns={columns}: expected a divisor of the {total} items (numbered block by block "
                          "over the columns); hint: pass the batch size times the heads")
+    total, columns = int(total), int(columns)
+    plain = Waves(total=total, programs=total if programs is None else min(int(programs), total))
     if programs is None:
-        return Waves(total=int(total), programs=int(total))
-    plain = Waves(total=int(total), programs=min(int(programs), int(total)))
-    group = l2_group(int(columns), int(total) // int(columns), plain.programs)
+        return plain
+    group = l2_group(columns, total // columns, plain.programs)
     if group == columns:
         return plain
-    return GroupedWaves(columns=int(columns), blocks=int(total) // int(columns), programs=plain.programs, group=group)
+    return GroupedWaves(columns=columns, blocks=total // columns, programs=plain.programs, group=group)
