@@ -20,7 +20,7 @@ backward (autograd.grad of the output against a fixed cotangent):
 Then head dim 64, GQA at head dim 64, and lengths that are not whole tiles. And the feature costs at
 (2,16,8192,128): the forward kernel with a soft cap, sinks, or a causal window covering every key,
 against the plain causal kernel (as_torch_kernel directly); forward + backward through `hopper_flash`
-with a soft cap or windows.
+with a soft cap or windows; each cost paired with the plain call round by round (`feature_costs`).
 `--head-dim-256` times the forward alone at head dim 256 (the Hopper kernels have no backward there).
 `--backward-step` times a training step's parts at the target shapes instead: the forward with gradients
 and the backward step alone, ours against cuDNN, and our backward step on the Python path split into
@@ -41,6 +41,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from typing import Optional
 from unittest import mock
 
@@ -175,11 +176,16 @@ def measure(shape, causal, dtype, rows, *, names=tuple(ROWS), rounds=3, train_to
             f"{ours[f'{key}_vs_cudnn']['high']:.2f}]" for key in keys), flush=True)
 
 
-def feature_costs(rows):
-    """The forward kernel with each feature against the plain causal kernel, as_torch_kernel directly."""
+def feature_costs(rows, rounds):
+    """The forward kernel with each feature against the plain causal kernel (as_torch_kernel directly),
+    and forward + backward through `hopper_flash`, `rounds` times: each round times every variant with
+    the plain call, the order reversed every other round and the GPU rested before each row, so that
+    neither clock drift nor the order favours one; a cost is the median over rounds of the variant's
+    time over the plain call's of the same round."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
+    from jaxattn.jax_core.kernels.flash_plan import FlashConfig
 
     b, h, l, d = FEATURE_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -187,50 +193,47 @@ def feature_costs(rows):
     # The compiled programs' extension builds in the background on first use: a timing taken while the
     # compiler holds the CPU measures the build (16.7 ms per forward + backward once, against 3.8).
     triton_program.wait(600)
-    _feature_costs_train(rows)
     sinks = torch.randn(h, generator=gen, device="cuda", dtype=torch.float32)
-    variants = {"plain causal": (dict(), ()), "soft cap 30": (dict(softcap=30.0), ()),
-                "sinks": (dict(), (sinks,)), f"window ({l}, 0)": (dict(window=(l, 0)), ())}
     programs = hopper_flash.forward_programs(q.device)  # the persistent grid, as the torch launch runs it
-    base = None
-    for name, (kw, extra) in variants.items():
+    forward = {}
+    for name, (kw, extra) in {"plain causal": (dict(), ()), "soft cap 30": (dict(softcap=30.0), ()),
+                              "sinks": (dict(), (sinks,)), f"window ({l}, 0)": (dict(window=(l, 0)), ())}.items():
         def fn(q, k, v, *s, kw=kw):
             return flash_forward_mgpu_tiles(q, k, v, scale=d ** -0.5, causal=True, sinks=s[0] if s else None,
                                             programs=programs, **kw)
         kernel = plgpu.as_torch_kernel(fn)
-        us = time_torch(lambda: kernel(q, k, v, *extra), iters=10)
-        base = base or us
-        row = dict(shape=[b, h, l, d], row=f"hopper forward, {name}", fwd_us=us, cost=us / base - 1,
-                   fwd_tflops=flops(b, h, l, d, True) / us / 1e6)
-        rows.append(row)
-        print(f"{str(tuple(row['shape'])):20} {row['row']:32} {us:9.1f} us {row['fwd_tflops']:6.1f} TF  "
-              f"{100 * row['cost']:+.1f}%", flush=True)
+        forward[f"hopper forward, {name}"] = lambda kernel=kernel, extra=extra: kernel(q, k, v, *extra)
 
-
-def _feature_costs_train(rows):
-    """Forward + backward through `hopper_flash` (both kernels, the torch launch) with a window or a soft
-    cap, against the plain causal call."""
-    from jaxattn.jax_core.kernels.flash_plan import FlashConfig
-
-    b, h, l, d = FEATURE_SHAPE
-    gen = torch.Generator(device="cuda").manual_seed(0)
     leaves = [torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
               for _ in range(3)]
     cot = torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-    variants = {"plain causal": dict(), "soft cap 30": dict(softcap=30.0), f"window ({l}, 0)": dict(window=(l, 0)),
-                "window (1024, 0)": dict(window=(1024, 0))}
-    base = None
-    for name, kw in variants.items():
-        cfg = FlashConfig(scale=d ** -0.5, causal=True, **kw)
-
-        def train(cfg=cfg):
+    train = {}
+    for name, kw in {"plain causal": dict(), "soft cap 30": dict(softcap=30.0), f"window ({l}, 0)": dict(window=(l, 0)),
+                     "window (1024, 0)": dict(window=(1024, 0))}.items():
+        def step(cfg=FlashConfig(scale=d ** -0.5, causal=True, **kw)):
             out = hopper_flash.hopper_flash(*leaves, cfg, grad=True)
             torch.autograd.grad(out, leaves, cot)
-        us = time_torch(train, iters=5)
-        base = base or us
-        row = dict(shape=[b, h, l, d], row=f"hopper fwd+bwd, {name}", fwd_bwd_us=us, cost=us / base - 1)
-        rows.append(row)
-        print(f"{str(tuple(row['shape'])):20} {row['row']:32} {us:9.1f} us  {100 * row['cost']:+.1f}%", flush=True)
+        train[f"hopper fwd+bwd, {name}"] = step
+
+    for calls_, key in ((train, "fwd_bwd_us"), (forward, "fwd_us")):
+        names = list(calls_)
+        times = {name: [] for name in names}
+        for rnd in range(rounds):
+            for name in (names if rnd % 2 == 0 else names[::-1]):
+                time.sleep(1.0)  # each row starts from a rested GPU
+                times[name].append(time_torch(calls_[name], iters=10 if key == "fwd_us" else 5))
+        plain = times[names[0]]
+        for name in names:
+            costs = [t / p - 1 for t, p in zip(times[name], plain)]
+            us = statistics.median(times[name])
+            row = dict(shape=[b, h, l, d], row=name, cost=statistics.median(costs),
+                       cost_range=[min(costs), max(costs)], rounds_us=[round(t, 1) for t in times[name]])
+            row[key] = us
+            if key == "fwd_us":
+                row["fwd_tflops"] = flops(b, h, l, d, True) / us / 1e6
+            rows.append(row)
+            print(f"{str(tuple(row['shape'])):20} {name:36} {us:9.1f} us  {100 * row['cost']:+.1f}% "
+                  f"[{100 * min(costs):+.1f}, {100 * max(costs):+.1f}]", flush=True)
 
 
 class _Spans:
@@ -382,7 +385,7 @@ def main():
         measure(shape, causal, dtype, rows, names=names, rounds=args.rounds, train_too=train_too)
 
     if args.features:
-        feature_costs(rows)
+        feature_costs(rows, args.rounds)
     elif args.targets:
         for shape in TARGET_SHAPES:
             run(shape)
@@ -411,7 +414,7 @@ def main():
         run(SHAPES[1], dtype=torch.float16)
         for shape in SHAPES_64 + GQA_SHAPES_64 + EDGE_SHAPES:
             run(shape)
-        feature_costs(rows)
+        feature_costs(rows, args.rounds)
     if args.out:
         write_report(args.out, rows)
 

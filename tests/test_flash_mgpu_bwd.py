@@ -32,6 +32,7 @@ from attention_reference import (  # noqa: E402
 from jaxattn.jax_core.kernels.flash_bwd_mgpu import (  # noqa: E402
     backward_operands, flash_backward_mgpu, flash_backward_mgpu_tiles, padded_lengths, sinks_gradient)
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu  # noqa: E402
+from jaxattn.jax_core.kernels import persistent_waves  # noqa: E402
 
 
 def _low_grads(q, k, v, cot, dtype, sinks=None, **kw):
@@ -242,6 +243,19 @@ FEATURE_CASES = [
 def test_features_against_float64_oracle(b, l, s, hq, hk, kw, request):
     empty = _feature_case(b, l, s, hq, hk, **kw)
     assert empty.any() == request.node.callspec.id.endswith("-empty")  # the empty-row cases have some
+
+
+def test_groups_over_l2s_bytes_against_float64_oracle(monkeypatch):
+    """A GQA backward whose wave-filling group of KV heads shares more than L2_GROUP_BYTES takes fewer
+    heads a group (the bound lowered to 0 here, so that a small case does): at (2, 2 KV heads) with
+    4 items a head and 5 programs, 1 head a group instead of 2, a program idle in each group's wave."""
+    monkeypatch.setattr(persistent_waves, "L2_GROUP_BYTES", 0)
+    persistent_waves.l2_group.cache_clear()
+    try:
+        assert persistent_waves.waves(16, 5, columns=4, column_bytes=1).group == 1
+        _feature_case(2, 150, 390, 4, 2, causal=True, alignment="bottom_right", programs=5)
+    finally:
+        persistent_waves.l2_group.cache_clear()
 
 
 def _fold(x):

@@ -86,6 +86,31 @@ def test_the_group_is_the_fewest_columns_that_fill_a_wave(columns, blocks, progr
     assert l2_group(columns, blocks, programs) == want
 
 
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("columns, blocks, programs, column_bytes, want", [
+    (8, 64, 132, 16 * MB, 2),    # backward (1, 8192, 32/8 heads, 64) and (1, 8192, 16/8, 128): 4 KV heads
+                                 # fill a wave but share 64 MB
+    (16, 32, 132, 8 * MB, 4),    # (2, 4096, 32/8, 64): 8 would share 64 MB
+    (32, 64, 132, 8 * MB, 4),    # (2, 16, 8192, 128): 32 MB, as without the bytes
+    (16, 128, 132, 16 * MB, 2),  # (1, 16, 16384, 128)
+    (16, 32, 132, 64 * MB, 4),   # 4 is over the bytes too, but 2 or 1 (64 or 32 items a group) would deal
+                                 # the longest walks to the same programs in every group
+    (13, 64, 132, 64 * MB, 13),  # a prime
+])
+def test_a_group_sharing_more_than_l2_holds_is_the_fewest_level_columns(columns, blocks, programs, column_bytes,
+                                                                         want):
+    assert l2_group(columns, blocks, programs, column_bytes) == want
+    dealing = waves(columns * blocks, programs, columns=columns, column_bytes=column_bytes)
+    assert (dealing.group if isinstance(dealing, GroupedWaves) else columns) == want
+    numbers, counts = _dealt(dealing)
+    taken = np.concatenate([numbers[p, :counts[p]] for p in range(dealing.programs)])
+    np.testing.assert_array_equal(np.sort(taken), np.arange(columns * blocks))
+    totals = [sum(blocks - numbers[p, j] // columns for j in range(counts[p])) for p in range(dealing.programs)]
+    assert max(totals) <= 1.04 * np.mean(totals), (max(totals), np.mean(totals))
+
+
 def test_one_program_per_item_and_single_groups_deal_as_before():
     assert waves(32 * 64, None, columns=32) == Waves(total=2048, programs=2048)
     assert waves(13 * 64, 132, columns=13) == Waves(total=832, programs=132)

@@ -790,6 +790,9 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     b, columns = k.shape[0], k.shape[2] * head_splits
     key_blocks = pl.cdiv(k.shape[1], cluster * COMPUTE_WGS * block_kv)  # a cluster's adjacent blocks
     programs = None if programs is None else programs // cluster  # clusters
+    # What the items of one column share (each reads all of it): its query sources' Q, dO and float32 dQ.
+    column_bytes = (group * batches // head_splits) * q.shape[1] * q.shape[3] * (2 * jnp.dtype(q.dtype).itemsize + 4)
+    dealing = waves(b * columns * key_blocks, programs, columns=b * columns, column_bytes=column_bytes)
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
                      softcap=None if softcap is None else float(softcap), block_q=block_q, block_kv=block_kv,
@@ -799,7 +802,7 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
                      out_staging=out_staging(q.shape[3], jnp.dtype(q.dtype).itemsize, block_q=block_q,
                                              block_kv=block_kv, stages=stages, splits=head_splits),
                      num_q_blocks=pl.cdiv(q.shape[1], block_q),
-                     items=_Items(batch=b, columns=columns, waves=waves(b * columns * key_blocks, programs, columns=b * columns)),
+                     items=_Items(batch=b, columns=columns, waves=dealing),
                      interpret=interpret)
 
 

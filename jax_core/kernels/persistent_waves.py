@@ -16,7 +16,10 @@ and wrote 1356 MB). `GroupedWaves` therefore takes the columns a few at a time (
 whose items fill a wave of programs and keep the totals level, `l2_group`) and deals each group's items in waves as above, the groups one
 after another, every second one mirrored (program p in the place of programs - 1 - p, so that the
 programs short of an item in one group are first in the next). The programs working at once then
-share the data of a group's heads, which L2 serves to all of them from one read.
+share the data of a group's heads, which L2 serves to all of them from one read. Where a group that
+fills a wave holds more than `L2_GROUP_BYTES` of that shared data (the GQA backward: each item walks
+several query heads' Q, dO and dQ), the fewest columns that keep the totals level are taken instead,
+even if a group's wave then leaves a few programs without an item.
 """
 
 from __future__ import annotations
@@ -156,18 +159,32 @@ class GroupedWaves(NamedTuple):
 Dealing = Union[Waves, GroupedWaves]
 
 
+#: Bytes of shared data (see `waves`' `column_bytes`) above which a group is chosen by balance alone,
+#: below an H100's or H200's 50 MB of L2 with room for the items' own blocks. Backward alone, causal
+#: bf16, H200 (BENCHMARKS.md "The persistent grids' dealing and DRAM"): at (1, 8192, 32/8 heads, 64)
+#: a group of 4 KV heads (64 MB of Q, dO and float32 dQ) read 205 MB from DRAM and took 1537-1566 µs
+#: under sustained load, one of 2 (32 MB) read 159 MB and took 1480-1508 µs; without GQA no
+#: wave-filling group reaches this size at the measured shapes.
+L2_GROUP_BYTES = 40 << 20
+
+
 @functools.lru_cache(maxsize=None)
-def l2_group(columns: int, blocks: int, programs: int) -> int:
+def l2_group(columns: int, blocks: int, programs: int, column_bytes: int = 0) -> int:
     """The columns `waves` deals at a time: the fewest that divide `columns`, whose items fill a wave
     of `programs` and that keep the programs' causal totals within 1% of the ungrouped waves' balance
     (a small group, or an odd count of groups, can leave some programs an item more); `columns`
-    (no grouping) if none does."""
+    (no grouping) if none does. Where that group shares more than `L2_GROUP_BYTES` (`column_bytes`
+    a column), the fewest columns that keep the totals level, full waves or not."""
     level = _causal_imbalance(Waves(total=columns * blocks, programs=programs), columns, blocks)
-    for g in range(1, columns):
-        if columns % g == 0 and g * blocks >= programs and _causal_imbalance(
-                GroupedWaves(columns=columns, blocks=blocks, programs=programs, group=g), columns, blocks) <= level + 0.01:
-            return g
-    return columns
+
+    def level_with(g):
+        return _causal_imbalance(GroupedWaves(columns=columns, blocks=blocks, programs=programs, group=g),
+                                 columns, blocks) <= level + 0.01
+    divisors = [g for g in range(1, columns) if columns % g == 0]
+    filling = next((g for g in divisors if g * blocks >= programs and level_with(g)), columns)
+    if filling * column_bytes <= L2_GROUP_BYTES:
+        return filling
+    return next((g for g in divisors if g < filling and level_with(g)), filling)
 
 
 def _causal_imbalance(dealing: Dealing, columns: int, blocks: int) -> float:
@@ -180,11 +197,12 @@ def _causal_imbalance(dealing: Dealing, columns: int, blocks: int) -> float:
     return float(totals.max() / totals.mean())
 
 
-def waves(total: int, programs: Optional[int], columns: int = 1) -> Dealing:
+def waves(total: int, programs: Optional[int], columns: int = 1, column_bytes: int = 0) -> Dealing:
     """The dealing of `total` items numbered block by block over `columns` columns: `Waves`, or
     `GroupedWaves` where a persistent grid can take the columns a few at a time. `programs`: None
-    (one program per item) or a positive int (at most one per item is used). Raises ValueError
-    naming `programs` otherwise."""
+    (one program per item) or a positive int (at most one per item is used). `column_bytes`: the
+    bytes of data a column's items share (read or added to by each of them), which decides how
+    few columns a group takes (`l2_group`). Raises ValueError naming `programs` otherwise."""
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, numbers.Integral)
                                  or programs < 1):
         raise ValueError(f"programs={programs!r}: expected None (one program per item of work) or a positive "
@@ -196,7 +214,7 @@ def waves(total: int, programs: Optional[int], columns: int = 1) -> Dealing:
     plain = Waves(total=total, programs=total if programs is None else min(int(programs), total))
     if programs is None:
         return plain
-    group = l2_group(columns, total // columns, plain.programs)
+    group = l2_group(columns, total // columns, plain.programs, int(column_bytes))
     if group == columns:
         return plain
     return GroupedWaves(columns=columns, blocks=total // columns, programs=plain.programs, group=group)
