@@ -90,8 +90,7 @@ MB = 1 << 20
 
 
 @pytest.mark.parametrize("columns, blocks, programs, column_bytes, want", [
-    (8, 64, 132, 16 * MB, 2),    # backward (1, 8192, 32/8 heads, 64) and (1, 8192, 16/8, 128): 4 KV heads
-                                 # fill a wave but share 64 MB
+    (8, 64, 132, 16 * MB, 2),    # backward (1, 8192, 32/8 heads, 64): 4 KV heads fill a wave but share 64 MB
     (16, 32, 132, 8 * MB, 4),    # (2, 4096, 32/8, 64): 8 would share 64 MB
     (32, 64, 132, 8 * MB, 4),    # (2, 16, 8192, 128): 32 MB, as without the bytes
     (16, 128, 132, 16 * MB, 2),  # (1, 16, 16384, 128)

@@ -769,6 +769,15 @@ def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, 
         programs=programs, cluster=cluster, interpret=interpret))
 
 
+#: Largest head dim whose persistent grid takes its groups of KV heads by the bytes they share too
+#: (`persistent_waves.waves`' `column_bytes`). Backward alone under sustained load, causal bf16, H200,
+#: µs, groups by bytes / filling a wave (BENCHMARKS.md, "Groups by bytes"): (1, 8192, 32/8 heads, 64)
+#: 1507 / 1570, (2, 4096, 32/8, 64) 798 / 792; at head dim 128, where a score costs twice the
+#: products, (1, 8192, 16/8, 128) 1387 / 1379: the programs a smaller group leaves idle cost more
+#: than its DRAM reads saved.
+GROUPS_BY_BYTES_MAX_HEAD_DIM = 64
+
+
 def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, block_q, block_kv, stages, head_splits,
               programs, cluster, interpret):
     """The kernel's static settings for checked arguments (whole tiles, or the last ones running past L
@@ -792,6 +801,8 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     programs = None if programs is None else programs // cluster  # clusters
     # What the items of one column share (each reads all of it): its query sources' Q, dO and float32 dQ.
     column_bytes = (group * batches // head_splits) * q.shape[1] * q.shape[3] * (2 * jnp.dtype(q.dtype).itemsize + 4)
+    if q.shape[3] > GROUPS_BY_BYTES_MAX_HEAD_DIM:
+        column_bytes = 0
     dealing = waves(b * columns * key_blocks, programs, columns=b * columns, column_bytes=column_bytes)
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
