@@ -208,6 +208,30 @@ def test_drop_in_runs_the_hopper_kernels(monkeypatch, dtype, b, hq, hk, l, s, ca
     _assert_against_math(out, grads, q, k, v, cot, causal, dtype, gqa)
 
 
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+def test_gqa_backward_taking_its_groups_by_bytes(monkeypatch):
+    """Model B's training call, (2, 32/8 heads, 4096, 64) in (B, L, H, D) memory: 8 KV heads' items
+    fill a wave of the backward's persistent grid but share 64 MB of Q, dO and float32 dQ, so the
+    grid takes 4 at a time (`persistent_waves.L2_GROUP_BYTES`); gradients within the 2x rule."""
+    from jaxattn.jax_core.kernels import flash_bwd_mgpu
+
+    dealt = []
+    real = flash_bwd_mgpu.waves
+    monkeypatch.setattr(flash_bwd_mgpu, "waves", lambda *a, **kw: dealt.append(real(*a, **kw)) or dealt[-1])
+    taken = _count_hopper_calls(monkeypatch)
+    b, hq, hk, l, d, dtype = 2, 32, 8, 4096, 64, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+    q, k, v = (_cuda_tensor(gen, b, h, l, d, "BLHD") for h in (hq, hk, hk))
+    cot = torch.randn(b, hq, l, d, generator=gen, device="cuda")
+    leaves = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+    with sdpa_launcher("native"):
+        out = scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    grads = torch.autograd.grad((out * cot.to(dtype)).sum(), leaves)
+    assert taken, "the call did not take the Hopper kernels"
+    assert dealt and {getattr(x, "group", None) for x in dealt} == {4}, dealt
+    _assert_against_math(out, grads, q, k, v, cot, True, dtype, True)
+
+
 def _assert_against_math(out, grads, q, k, v, cot, causal, dtype, gqa):
     """out and grads (of sum(out * cot)) within twice torch's math error in `dtype` of its float32 math."""
     want, want_leaves = _math(q, k, v, causal, torch.float32, gqa)
