@@ -102,14 +102,14 @@ def cudnn_backward_us(b, l, hq, hk, d):
         return time_torch(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), iters=10)
 
 
-def backward_fn(shape, splits, programs, kernel=flash_backward_mgpu_tiles):
+def backward_fn(shape, splits, programs, kernel=flash_backward_mgpu_tiles, softcap=None):
     """A jitted backward (`kernel`: a `flash_backward_mgpu_tiles`) of whole tiles with the splits'
-    partial sums."""
+    partial sums; `softcap` as the kernel takes it."""
     b, l, hq, hk, d = shape
 
     def run(q, k, v, do, lse_log2, delta, accum):
         dq, dk, dv = kernel(q, k, v, do, lse_log2, delta, accum, scale=d ** -0.5, causal=True,
-                                               head_splits=splits, programs=programs,
+                                               head_splits=splits, programs=programs, softcap=softcap,
                                                **calls.hopper_tiles("backward", d, l))
         if splits > 1:
             dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)

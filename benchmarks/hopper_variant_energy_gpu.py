@@ -5,7 +5,7 @@ the board's power limit, with the energy per call (NVML's counter) and the SM cl
 (backward, or forward for forward variants) in the same run.
 
     python benchmarks/hopper_variant_energy_gpu.py --variants a.py,b.py --shapes 2x8192x16x16x128 \\
-        [--seconds 6] [--rounds 2] [--out variant_energy.json]
+        [--seconds 6] [--rounds 2] [--softcap 30] [--out variant_energy.json]
 
 Shapes are B x L x Hq x Hk x D. A variant may compute other numbers on purpose (one that moves half of
 some data, to see what moving less would buy): outputs are compared and the difference printed, not
@@ -38,11 +38,15 @@ from jaxattn.jax_core import calls
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
 
-def _calls(shape, paths) -> tuple[dict, bool]:
-    """({name: call} for the kernel as is, each variant and cuDNN at `shape`, whether forward)."""
+def _calls(shape, paths, softcap=None) -> tuple[dict, bool]:
+    """({name: call} for the kernel as is, each variant and cuDNN (without a cap) at `shape`, whether
+    forward; our backward rows with `softcap` (its row operands from the forward without one: the
+    work per score is the same)."""
     b, l, hq, hk, d = shape
     modules = {os.path.basename(p): load_variant(p) for p in paths}
     forward = any(hasattr(m, "flash_forward_mgpu_tiles") for m in modules.values())
+    if forward and softcap is not None:
+        raise SystemExit(f"--softcap {softcap}: backward variants only")
     if forward:
         tuned = calls.hopper_tiles("forward", d, l)
         options = {"as is": (flash_forward_mgpu_tiles, tuned)}
@@ -51,8 +55,9 @@ def _calls(shape, paths) -> tuple[dict, bool]:
     else:
         splits = calls.hopper_head_splits(b, hq, hk, l, d)
         args = backward_inputs(*shape)
-        fns = {"as is": backward_fn(shape, splits, sms())}
-        fns.update({n: backward_fn(shape, splits, sms(), m.flash_backward_mgpu_tiles) for n, m in modules.items()})
+        fns = {"as is": backward_fn(shape, splits, sms(), softcap=softcap)}
+        fns.update({n: backward_fn(shape, splits, sms(), m.flash_backward_mgpu_tiles, softcap=softcap)
+                    for n, m in modules.items()})
         found = {n: (lambda f=f: f(*args)) for n, f in fns.items()}
     q, do = (torch.randn(b, hq, l, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(b, hk, l, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -105,12 +110,13 @@ def main() -> None:
     parser.add_argument("--shapes", required=True, help="comma-separated BxLxHqxHkxD")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--softcap", type=float, default=None, help="backward variants: time them with this soft cap")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     meter, rows = _EnergyMeter(torch.cuda.current_device()), []
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
-        found, forward = _calls(shape, args.variants.split(","))
+        found, forward = _calls(shape, args.variants.split(","), args.softcap)
         for name, call in found.items():
             _sync(name, call())
         cool = {name: [] for name in found}
