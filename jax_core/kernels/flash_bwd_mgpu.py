@@ -461,6 +461,7 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg, rank):
     on_gpu = interpret is None
     # With a soft cap the exponent is softcap * log2(e) * tanh(scale / softcap * s) (as in the forward).
     scale_log2 = (scale if cfg.softcap is None else cfg.softcap) * LOG2E
+    early_cap_factor = cfg.softcap is not None and block_q * block_kv > EARLY_CAP_FACTOR_MIN_SCORES
 
     items = cfg.items.count(program)
 
@@ -516,14 +517,20 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg, rank):
                                  ((block_kv, block_q), v_smem, _T(do_slot)), on_gpu=on_gpu)
             with jax.named_scope("softmax"):
                 lse = _load_vector(lse_smem.at[slot], on_gpu=on_gpu)
-                s_t, cap_grad = _soft_cap(s_t, cfg)
+                if early_cap_factor:
+                    t = jnp.tanh(s_t * (cfg.scale / cfg.softcap))
+                    s_t, cap_grad = t, None
+                else:
+                    s_t, cap_grad = _soft_cap(s_t, cfg)
                 p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
                 if masked:
                     p_t = _hide(p_t, rows, keys, cfg, on_gpu=on_gpu)
+                p16 = p_t.astype(dtype)
+                if early_cap_factor:  # P^T (1 - t^2): one multiply and one FMA, and t dies here
+                    p_t = p_t - (p_t * t) * t
                 plgpu.barrier_wait(bars["delta_ready"].at[slot])
                 delta = _load_vector(delta_smem.at[slot], on_gpu=on_gpu)
                 ds16 = _capped(_ds(p_t, dp_t, delta, scale), cap_grad).astype(dtype)
-                p16 = p_t.astype(dtype)
             dq_rows = (q_batch, pl.ds(rows, block_q), head)
             if not split:
                 # dS^T to shared memory, where the dQ product reads it transposed.
@@ -644,6 +651,16 @@ def _hide(p_t, rows, keys, cfg: _Settings, *, on_gpu):
     hi = None if cfg.left is None else keys - rows - (cfg.diag_offset - cfg.left)
     row_end = cfg.kv_len - keys if cfg.ragged_end else None
     return keep_band(p_t, fill=0.0, diff=1, lo=lo, hi=hi, row_end=row_end, on_gpu=on_gpu)
+
+
+#: Scores a warpgroup holds (block_kv x block_q) above which the soft cap's factor 1 - t^2 is folded
+#: into P^T as soon as P^T is converted for dV, instead of living as a third score tile beside P^T and
+#: dP^T until dS^T: at head dim 64 (64 x 128 scores, 64 registers a thread a tile) that tile pushed
+#: the warpgroups past their registers. Backward alone, cap 30, causal bf16, H200, µs cool /
+#: sustained, folded early / at dS^T (BENCHMARKS.md "The soft cap's factor taken early"): (4, 16,
+#: 4096, 64) 964 / 969 against 1034 / 1045; at head dim 128 (64 x 64 scores) (2, 16, 8192, 128)
+#: 2954 / 2985 against 2924 / 2956.
+EARLY_CAP_FACTOR_MIN_SCORES = 64 * 64
 
 
 def _soft_cap(s_t, cfg: _Settings):
