@@ -146,6 +146,8 @@ FEATURE_CASES = [
     # soft cap, sinks, combinations
     pytest.param(1, 97, 130, 2, 2, dict(softcap=5.0), id="softcap"),
     pytest.param(1, 256, 256, 2, 1, dict(softcap=2.0, causal=True, dtype=jnp.bfloat16), id="softcap-causal-bf16"),
+    # a cap above FIXED_MAX_MOST_CAP_LOG2 / log2(e) (43.7): the running row maximum
+    pytest.param(1, 97, 130, 2, 1, dict(softcap=50.0, causal=True, sinks=True), id="softcap-50-running-max"),
     pytest.param(1, 130, 97, 4, 2, dict(sinks=True), id="sinks-gqa"),
     pytest.param(1, 200, 70, 2, 2, dict(sinks=True, window=(5, 5), alignment="bottom_right"),
                  id="sinks-window-br-empty"),
@@ -188,6 +190,25 @@ PERSISTENT_CASES = [
 def test_persistent_grid_against_float64_oracle(b, l, s, hq, hk, kw, request):
     empty = _feature_case(b, l, s, hq, hk, **kw)
     assert empty.any() == request.node.callspec.id.endswith("-empty")
+
+
+@pytest.mark.parametrize("softcap, dtype", [(30.0, jnp.bfloat16), (43.0, jnp.bfloat16), (50.0, jnp.bfloat16),
+                                            (30.0, jnp.float16)], ids=["30-bf16", "43-bf16", "50-bf16", "30-fp16"])
+def test_rows_capped_far_below_zero_against_float64_oracle(softcap, dtype):
+    """Rows whose every score lies far below -softcap (tanh near -1). In bf16 up to a cap of 43.7 the
+    softmax subtracts A = softcap * log2(e) instead of a running maximum (FIXED_MAX_MOST_CAP_LOG2), so
+    these rows' exponentials are about 2^-2A: still normal floats (flushed to 0 on the GPU, and in
+    float16, otherwise), the rows keep a positive sum and their output is an even mix of the V rows
+    they see."""
+    rng = np.random.default_rng()
+    b, l, s, h, d = 1, 130, 200, 2, 64
+    q, k, v = _inputs(rng, b, l, s, h, h, d, dtype)
+    q = q.at[:, :64].set(20.0)  # rows 0-63: scale * q.k about -230 with every key below
+    k = -jnp.abs(k) - 1.0
+    scale = 0.8 / d ** 0.5
+    out, lse = _run(q, k, v, scale=scale, causal=True, softcap=softcap)
+    _check(q, k, v, out, lse, scale=scale, causal=True, softcap=softcap)
+    assert np.all(np.isfinite(lse[:, :, :64])) and np.all(lse[:, :, :64] < -softcap + 10)
 
 
 def _fold(x):

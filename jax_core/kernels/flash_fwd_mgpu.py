@@ -75,6 +75,16 @@ LOG2E = math.log2(math.e)
 # The running max starts finite: a fully masked block (all scores -inf) then gives exp2(-inf) = 0
 # and a rescale factor of 1 instead of exp2(-inf - -inf) = NaN, with no select on the hot path.
 M_FLOOR = -1e30
+#: Most A = softcap * log2(e) for which a capped bf16 softmax subtracts A instead of a running row
+#: maximum. A capped exponent A tanh(.) lies within [-A, A], so p = 2^(A (tanh(.) - 1)) lies within
+#: [2^-2A, 1]: it never overflows, and for A <= 63 never falls below float32's and bf16's smallest
+#: normal, 2^-126, so a row that sees a key keeps a positive sum and P keeps bf16's relative
+#: precision (float16's 5 exponent bits would flush it: float16 keeps the running maximum). Without
+#: it a block's softmax has no row reduction before its exponentials, so the special-function unit,
+#: which with a cap takes two ops a score (tanh and exp2), does not wait on one; and O and the row
+#: sums are never rescaled.
+FIXED_MAX_MOST_CAP_LOG2 = 63.0
+SMALLEST_NORMAL = 2.0 ** -126  # float32's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -574,6 +584,7 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
     # Log2 domain: the softmax runs on t * log2(e) * s for t = scale, or with a soft cap on
     # softcap * log2(e) * tanh(scale / softcap * s), so that exp2 needs one FMA per score.
     scale_log2 = (scale if softcap is None else softcap) * LOG2E
+    fixed_max = softcap is not None and scale_log2 <= FIXED_MAX_MOST_CAP_LOG2 and dtype == jnp.bfloat16
     on_gpu = interpret is None
     count = tiles.count(program)
     turns = _Turns(bars, wg, band.wgs, q_slots)
@@ -629,11 +640,16 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
                     s = jnp.tanh(s * (scale / softcap))
                 if masked:
                     s = _mask(s, i, rows, band, on_gpu=on_gpu)
-                m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if fixed_max:  # m stays A (or a larger sink): see FIXED_MAX_MOST_CAP_LOG2
+                    m_new = m
+                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m, s.shape, [0]))
+                    l = l + p.sum(axis=1)
+                else:
+                    m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
                 # Finish the softmax before handing the tensor cores over, rather than letting the
                 # compiler sink part of it past the barrier into the other warpgroup's turn.
@@ -659,11 +675,11 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(bars["q_ready"].at[wg * q_slots + q_slot])
         acc = _wgmma_layout(jnp.zeros((block_q, d), jnp.float32), on_gpu=on_gpu)
-        m = _wgmma_layout(jnp.full((block_q,), M_FLOOR, jnp.float32), on_gpu=on_gpu)
+        m = _wgmma_layout(jnp.full((block_q,), scale_log2 if fixed_max else M_FLOOR, jnp.float32), on_gpu=on_gpu)
         l = _wgmma_layout(jnp.zeros((block_q,), jnp.float32), on_gpu=on_gpu)
         if sinks_ref is not None:
-            # The sink is one more logit with no value: the running max and sum start from it (a -inf
-            # sink leaves them at M_FLOOR and 0).
+            # The sink is one more logit with no value: the max and the sum start from it (a -inf sink
+            # leaves them as they were).
             sink = (sinks_ref[head] if len(sinks_ref.shape) == 1 else sinks_ref[batch, head]) * LOG2E
             m = jnp.maximum(m, sink)
             l = jnp.exp2(sink - m)
@@ -687,9 +703,10 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         acc, m, l = carry
 
         with jax.named_scope("output"):
-            # l >= 1 for a row that saw a key or has a sink (its max contributes exp2(0)); l = 0 (acc =
-            # 0) for one that saw neither, which max(l, 1) turns into out = 0, and log(0) into lse = -inf.
-            acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1.0), acc.shape, [0])
+            # l >= 1 for a row that saw a key or has a sink (its max contributes exp2(0)), l >= 2^-126
+            # under a fixed max; l = 0 (acc = 0) for one that saw neither, which max(l, 2^-126) turns
+            # into out = 0, and log(0) into lse = -inf.
+            acc = acc / lax.broadcast_in_dim(jnp.maximum(l, SMALLEST_NORMAL), acc.shape, [0])
             qo_smem[...] = acc.astype(dtype)
             lse_smem[...] = m * math.log(2.0) + jnp.log(l)
             plgpu.commit_smem()
