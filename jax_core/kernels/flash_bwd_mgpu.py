@@ -655,9 +655,9 @@ def _hide(p_t, rows, keys, cfg: _Settings, *, on_gpu):
 
 #: Scores a warpgroup holds (block_kv x block_q) above which the soft cap's factor 1 - t^2 is folded
 #: into P^T as soon as P^T is converted for dV, instead of living as a third score tile beside P^T and
-#: dP^T until dS^T: at head dim 64 (64 x 128 scores, 64 registers a thread a tile) that tile pushed
-#: the warpgroups past their registers. Backward alone, cap 30, causal bf16, H200, µs cool /
-#: sustained, folded early / at dS^T (BENCHMARKS.md "The soft cap's factor taken early"): (4, 16,
+#: dP^T until dS^T (at head dim 64, 64 x 128 scores: 64 registers a thread a tile, where the compute
+#: warpgroups' registers are tightest; not profiled). Backward alone, cap 30, causal bf16, H200, µs
+#: cool / sustained, folded early / at dS^T (BENCHMARKS.md, "Groups by the bytes they share"): (4, 16,
 #: 4096, 64) 964 / 969 against 1034 / 1045; at head dim 128 (64 x 64 scores) (2, 16, 8192, 128)
 #: 2954 / 2985 against 2924 / 2956.
 EARLY_CAP_FACTOR_MIN_SCORES = 64 * 64
@@ -788,7 +788,7 @@ def flash_backward_mgpu_tiles(q, k, v, do, lse_log2, delta, dq_accum, *, scale, 
 
 #: Largest head dim whose persistent grid takes its groups of KV heads by the bytes they share too
 #: (`persistent_waves.waves`' `column_bytes`). Backward alone under sustained load, causal bf16, H200,
-#: µs, groups by bytes / filling a wave (BENCHMARKS.md, "Groups by bytes"): (1, 8192, 32/8 heads, 64)
+#: µs, groups by bytes / filling a wave (BENCHMARKS.md, "Groups by the bytes they share"): (1, 8192, 32/8 heads, 64)
 #: 1507 / 1570, (2, 4096, 32/8, 64) 798 / 792; at head dim 128, where a score costs twice the
 #: products, (1, 8192, 16/8, 128) 1387 / 1379: the programs a smaller group leaves idle cost more
 #: than its DRAM reads saved.
