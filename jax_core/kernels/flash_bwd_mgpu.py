@@ -518,8 +518,8 @@ def _compute(refs, bufs, bars, cfg: _Settings, *, program, wg, rank):
             with jax.named_scope("softmax"):
                 lse = _load_vector(lse_smem.at[slot], on_gpu=on_gpu)
                 if early_cap_factor:
-                    t = jnp.tanh(s_t * (cfg.scale / cfg.softcap))
-                    s_t, cap_grad = t, None
+                    s_t = t = _tanh_cap(s_t, cfg)
+                    cap_grad = None
                 else:
                     s_t, cap_grad = _soft_cap(s_t, cfg)
                 p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
@@ -668,8 +668,13 @@ def _soft_cap(s_t, cfg: _Settings):
     t = tanh(scale / softcap * s_t) and d(softcap * t) / d(scale * s_t) = 1 - t^2."""
     if cfg.softcap is None:
         return s_t, None
-    t = jnp.tanh(s_t * (cfg.scale / cfg.softcap))
+    t = _tanh_cap(s_t, cfg)
     return t, 1.0 - t * t
+
+
+def _tanh_cap(s_t, cfg: _Settings):
+    """t = tanh(scale / softcap * s_t): what the exponent scales under a cap."""
+    return jnp.tanh(s_t * (cfg.scale / cfg.softcap))
 
 
 def _ds(p_t, dp_t, delta, scale):
@@ -817,9 +822,8 @@ def _settings(q, k, *, scale, causal, diag_offset, window, softcap, kv_len, bloc
     key_blocks = pl.cdiv(k.shape[1], cluster * COMPUTE_WGS * block_kv)  # a cluster's adjacent blocks
     programs = None if programs is None else programs // cluster  # clusters
     # What the items of one column share (each reads all of it): its query sources' Q, dO and float32 dQ.
-    column_bytes = (group * batches // head_splits) * q.shape[1] * q.shape[3] * (2 * jnp.dtype(q.dtype).itemsize + 4)
-    if q.shape[3] > GROUPS_BY_BYTES_MAX_HEAD_DIM:
-        column_bytes = 0
+    column_bytes = 0 if q.shape[3] > GROUPS_BY_BYTES_MAX_HEAD_DIM else (
+        (group * batches // head_splits) * q.shape[1] * q.shape[3] * (2 * jnp.dtype(q.dtype).itemsize + 4))
     dealing = waves(b * columns * key_blocks, programs, columns=b * columns, column_bytes=column_bytes)
     return _Settings(scale=float(scale), diag_offset=int(diag_offset), left=None if left < 0 else int(left),
                      right=None if right < 0 else int(right), kv_len=kv_len,
