@@ -1,9 +1,9 @@
 """Where the Hopper forward's cycles go, against torch's cuDNN: Nsight Compute's pipe utilisation,
 issue rate, warp stall reasons and the most-sampled SASS instructions of each kernel, the kernel
-alone (`flash_forward_mgpu_tiles` on the persistent grid, the tuned tiles) and cuDNN's forward in the
-same process, causal bf16.
+alone (`flash_forward_mgpu_tiles` on the persistent grid, the tuned tiles; with `--variant`, also a
+modified copy of `flash_fwd_mgpu.py`) and cuDNN's forward in the same process, causal bf16.
 
-    python benchmarks/hopper_ncu_gpu.py --shapes 16x1024x16x64,2x8192x16x128 --out DIR
+    python benchmarks/hopper_ncu_gpu.py --shapes 16x1024x16x64,2x8192x16x128 --out DIR [--variant COPY]
     python benchmarks/hopper_ncu_gpu.py --summarize DIR     # summary.json again from DIR's exports
 
 Shapes are B x L x H x D. Runs itself under `ncu --profile-from-start off --clock-control none` with
@@ -31,8 +31,9 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Schedu
 OPCODES = ("MUFU", "FFMA", "FADD", "FMUL", "FMNMX", "F2FP", "SHFL", "HGMMA")
 
 
-def _profiled(shapes: str) -> None:
-    """Inside ncu: each shape's forward and cuDNN's, once each between cudaProfilerStart and Stop."""
+def _profiled(shapes: str, variant: str | None) -> None:
+    """Inside ncu: each shape's forward (and the variant's) and cuDNN's, once each between
+    cudaProfilerStart and Stop."""
     import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
     import jax
     import torch
@@ -40,29 +41,35 @@ def _profiled(shapes: str) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from hopper_kernels_gpu import forward_fns
+    from kernel_variants import load_variant
     from jaxattn.jax_core import calls
     from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
     todo = []
     for text in shapes.split(","):
         b, l, h, d = (int(x) for x in text.split("x"))
-        ours = forward_fns((b, l, h, d), {"ours": (flash_forward_mgpu_tiles, calls.hopper_tiles("forward", d, l))})
+        tiles = calls.hopper_tiles("forward", d, l)
+        options = {"ours": (flash_forward_mgpu_tiles, tiles)}
+        if variant:
+            options["variant"] = (load_variant(variant).flash_forward_mgpu_tiles, tiles)
+        ours = forward_fns((b, l, h, d), options)
         q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
         def cudnn(q=q, k=k, v=v):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         for _ in range(3):
-            jax.block_until_ready(ours["ours"]())
+            for fn in ours.values():
+                jax.block_until_ready(fn())
             cudnn()
         torch.cuda.synchronize()
-        todo += [(text, "ours", ours["ours"]), (text, "cudnn", cudnn)]
+        todo += [(text, name, fn) for name, fn in ours.items()] + [(text, "cudnn", cudnn)]
     cudart = torch.cuda.cudart()
     for text, name, fn in todo:
         print(f"## {text} {name}", flush=True)
         cudart.cudaProfilerStart()
         out = fn()
-        jax.block_until_ready(out) if name == "ours" else torch.cuda.synchronize()
+        jax.block_until_ready(out) if name != "cudnn" else torch.cuda.synchronize()
         cudart.cudaProfilerStop()
 
 
@@ -141,11 +148,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="16x1024x16x64,2x8192x16x128")
     parser.add_argument("--out", default="ncu_forward")
+    parser.add_argument("--variant", default=None, help="a modified copy of flash_fwd_mgpu.py, profiled beside it")
     parser.add_argument("--summarize", metavar="DIR", help="rebuild DIR/summary.json from DIR's exports")
     parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)  # the run inside ncu
     args = parser.parse_args()
     if args.profiled:
-        return _profiled(args.shapes)
+        return _profiled(args.shapes, args.variant)
     if args.summarize:
         summarize(args.summarize)
         return
@@ -158,6 +166,8 @@ def main() -> None:
     for section in SECTIONS:
         cmd += ["--section", section]
     cmd += [sys.executable, os.path.abspath(__file__), "--profiled", "--shapes", args.shapes]
+    if args.variant:
+        cmd += ["--variant", os.path.abspath(args.variant)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     calls = [line[3:] for line in done.stdout.splitlines() if line.startswith("## ")]
     if done.returncode != 0 or not os.path.exists(report + ".ncu-rep"):
