@@ -27,7 +27,7 @@ from attention_reference import (  # noqa: E402
     assert_close_finite, assert_dtype_rule, from_bthd, reference, visibility)
 
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import (  # noqa: E402
-    flash_forward_mgpu, flash_forward_mgpu_tiles, padded_lengths)
+    SCORES_FIRST_MIN_KEYS, flash_forward_mgpu, flash_forward_mgpu_tiles, padded_lengths, scores_first_default)
 
 
 def _run(q, k, v, *, fn=flash_forward_mgpu, **kw):
@@ -99,7 +99,7 @@ def test_against_float64_oracle(b, l, s, hq, hk, d, causal, alignment, block_kv,
 
 
 def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window=None, softcap=None, sinks=False,
-                  block_kv=64, stages=2, dtype=jnp.float16, d=64, programs=None, compute_wgs=2):
+                  block_kv=64, stages=2, dtype=jnp.float16, d=64, programs=None, compute_wgs=2, scores_first=None):
     """Runs the kernel on fresh inputs with the features given and checks it against the oracle;
     returns the rows that see no key."""
     rng = np.random.default_rng()
@@ -108,7 +108,8 @@ def _feature_case(b, l, s, hq, hk, *, causal=False, alignment="top_left", window
     scale = 0.8 / d ** 0.5
     diag_offset = s - l if alignment == "bottom_right" else 0
     out, lse = _run(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window, softcap=softcap,
-                    sinks=sink_logits, block_kv=block_kv, stages=stages, programs=programs, compute_wgs=compute_wgs)
+                    sinks=sink_logits, block_kv=block_kv, stages=stages, programs=programs, compute_wgs=compute_wgs,
+                    scores_first=scores_first)
     assert out.shape == (b, l, hq, d) and lse.shape == (b, hq, l)
     return _check(q, k, v, out, lse, scale=scale, causal=causal, alignment=alignment, window=window,
                   softcap=softcap, sinks=sink_logits)
@@ -190,6 +191,29 @@ PERSISTENT_CASES = [
 def test_persistent_grid_against_float64_oracle(b, l, s, hq, hk, kw, request):
     empty = _feature_case(b, l, s, hq, hk, **kw)
     assert empty.any() == request.node.callspec.id.endswith("-empty")
+
+
+# The other order of a step (`scores_first`: a block's Q K^T issued before the last block's P V, whose P
+# rides in the carry): walks whose first step is masked, unmasked or a lone half block, walks that end
+# on half a block (its own P V) or a whole one (the P V after the loops), empty walks, tiles in turn.
+SCORES_FIRST_CASES = [case for case in FEATURE_CASES + PERSISTENT_CASES if case.id in (
+    "edge-97x130-gqa", "edge-1x1-causal", "edge-200x70-causal-br-empty", "edge-97x130-causal-bkv128",
+    "causal-bkv128-halves", "window-br-bkv128-halves", "window-left-only", "window-right-only-padded-rows",
+    "window-two-sided-br-gqa", "softcap-50-running-max", "sinks-window-br-empty", "all-features-gqa-bf16",
+    "causal-br-8-tiles-1-program-empty", "all-features-8-tiles-3-programs", "causal-bkv128-halves-2-programs",
+    "d256-one-q-slot-8-tiles-3-programs", "three-wgs-causal-br-gqa-3-programs")]
+
+
+@pytest.mark.parametrize("b, l, s, hq, hk, kw", SCORES_FIRST_CASES)
+def test_scores_first_against_float64_oracle(b, l, s, hq, hk, kw, request):
+    empty = _feature_case(b, l, s, hq, hk, scores_first=True, **kw)
+    assert empty.any() == request.node.callspec.id.endswith("-empty")
+
+
+def test_scores_first_by_default_at_head_dim_128_from_8192_keys():
+    assert scores_first_default(128, SCORES_FIRST_MIN_KEYS) and scores_first_default(128, 16384)
+    assert not scores_first_default(128, SCORES_FIRST_MIN_KEYS - 1)
+    assert not scores_first_default(64, 16384) and not scores_first_default(256, 16384)
 
 
 @pytest.mark.parametrize("softcap, dtype", [(30.0, jnp.bfloat16), (43.0, jnp.bfloat16), (50.0, jnp.bfloat16),
@@ -304,6 +328,12 @@ LOWERING_CASES = [
                  id="d256-all-persistent"),
     pytest.param(dict(causal=True, compute_wgs=3, block_kv=128, programs=3), id="three-wgs-persistent"),
     pytest.param(dict(causal=False, softcap=3.0, sinks=True, window=(9, 2), compute_wgs=3), id="three-wgs-all"),
+    pytest.param(dict(causal=True, block_kv=128, scores_first=True), id="scores-first-causal-halves"),
+    pytest.param(dict(causal=True, softcap=3.0, sinks=True, window=(9, 2), programs=3, scores_first=True),
+                 id="scores-first-all-persistent"),
+    pytest.param(dict(causal=True, d=256, block_kv=64, scores_first=True), id="scores-first-d256"),
+    pytest.param(dict(causal=True, compute_wgs=3, block_kv=128, programs=3, scores_first=True),
+                 id="scores-first-three-wgs-persistent"),
 ]
 
 

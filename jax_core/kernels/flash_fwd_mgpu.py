@@ -27,6 +27,9 @@ per multiprocessor), several in turn (`_Tiles`, dealt by `persistent_waves`):
       `turn` barrier makes them alternate, so one warpgroup's softmax overlaps the other's matmuls
       (`_Turns`). With `compute_wgs=3` (head dim 64) three compute warpgroups pass the turn round
       and the memory warpgroup is the fourth; a warpgroup whose rows are all padding walks nothing.
+      On long walks at head dim 128 (`scores_first_default`) a turn issues the next block's Q K^T
+      before the last block's P V, and waits once for both, so the scores are done when the softmax
+      starts.
       O is written over the tile's Q slot and stored by TMA without waiting; the store must have
       read the slot before the memory warpgroup loads Q two tiles on (`free_next_slot`).
 
@@ -87,6 +90,23 @@ M_FLOOR = -1e30
 #: (2, 8192, 16, 128) 988 / 1066 / 924, (16, 1024, 16, 64) 136 / 145 / 118.
 FIXED_MAX_MOST_CAP_LOG2 = 63.0
 SMALLEST_NORMAL = 2.0 ** -126  # float32's
+
+#: Where a compute warpgroup's turn issues the next block's Q K^T before the last block's P V
+#: (`scores_first`): head dims and the fewest keys. The turn then waits once for both products and
+#: the softmax finds its scores done, about 5% fewer cycles a block step at (16, 16, 1024, 64) under
+#: Nsight Compute; but a walk's first step and its last P V then take a step of their own, which a
+#: short walk does not earn back, and with 256-key blocks the pending P (64 registers a thread) lives
+#: beside the next scores. Forward alone, causal bf16, H200, µs sustained, scores first / as before
+#: (BENCHMARKS.md "The scores issued before the P V product"): (1, 16, 16384, 128) 1902-1910 /
+#: 1929-1941 (3 rounds), (2, 16, 8192, 128) 990-997 / 998-1002, (8, 16, 1024, 128) 96.1 / 95.1,
+#: (16, 16, 1024, 64) 127.7 / 123.3, (4, 16, 4096, 64) 428.6 / 335.5.
+SCORES_FIRST_HEAD_DIMS = (128,)
+SCORES_FIRST_MIN_KEYS = 8192
+
+
+def scores_first_default(head_dim, kv_len):
+    """Whether the forward issues a block's Q K^T before the last block's P V by default."""
+    return head_dim in SCORES_FIRST_HEAD_DIMS and kv_len >= SCORES_FIRST_MIN_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +227,7 @@ class _Tiles(DealtWork):
         return batch, head, ((self.q_blocks - 1) - block) * self.rows
 
 
-def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, batches, interpret):
+def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, batches, scores_first, interpret):
     q_ref, k_ref, v_ref = refs[:3]
     sinks_ref = refs[3] if has_sinks else None
     out_ref, lse_ref = refs[-2:]
@@ -237,7 +257,7 @@ def _program(*refs, scale, band, softcap, has_sinks, stages, tiles, group, batch
         turn=plgpu.Barrier(num_arrivals=2) if wgs == 2 else plgpu.Barrier(num_barriers=wgs),
     )
     cfg = dict(scale=scale, band=band, softcap=softcap, stages=stages, tiles=tiles, group=group, batches=batches,
-               interpret=interpret)
+               scores_first=scores_first, interpret=interpret)
     # Allocated once for the three warpgroups together (collective over "wg").
     pl.run_scoped(
         lambda bufs, bars: _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, **cfg),
@@ -254,7 +274,7 @@ def _program_blocks(program_rows, band):
 
 
 def _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, *, scale, band, softcap,
-                stages, tiles, group, batches, interpret):
+                stages, tiles, group, batches, scores_first, interpret):
     program, wg = lax.axis_index("programs"), lax.axis_index("wg")
     # Registers moved from the memory warpgroup to the compute ones (Hopper's setmaxnreg), all of a
     # multiprocessor's 64K 32-bit registers between them: (2 * 232 + 40) * 128 or (3 * 160 + 24) * 128.
@@ -264,7 +284,7 @@ def _warpgroups(q_ref, k_ref, v_ref, sinks_ref, out_ref, lse_ref, bufs, bars, *,
     def _():
         plgpu.set_max_registers(compute_registers, action="increase")
         _compute(sinks_ref, out_ref, lse_ref, bufs, bars, program=program, wg=wg, tiles=tiles, scale=scale,
-                 band=band, softcap=softcap, stages=stages, interpret=interpret)
+                 band=band, softcap=softcap, stages=stages, scores_first=scores_first, interpret=interpret)
 
     @pl.when(wg == band.wgs)
     def _():
@@ -372,7 +392,7 @@ def _checked_band(q, k, v, *, scale, causal, diag_offset, window, softcap, sinks
 
 def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, block_kv=128, stages=2,
                        window=None, softcap=None, sinks=None, programs=None, compute_wgs=COMPUTE_WGS,
-                       interpret=None):
+                       scores_first=None, interpret=None):
     """(out, lse) of softmax(scale * q k^T [causal, window, soft cap, sinks]) v, any L, S >= 1; see
     the module docstring for layouts and features.
 
@@ -382,8 +402,10 @@ def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, blo
     or None. `programs`: None for one program per tile of 2 * block_q query rows, or the size of a
     persistent grid (the GPU's multiprocessor count) whose programs walk the tiles in turn, each
     loading its next tile while it finishes the last. `compute_wgs`: the compute warpgroups of a
-    program, 2, or 3 at head dim 64 (tiles of 3 * block_q rows, for short walks). `interpret`: Mosaic
-    GPU interpret-mode parameters (`InterpretGPUParams`) to run on a CPU, or None to compile for the GPU."""
+    program, 2, or 3 at head dim 64 (tiles of 3 * block_q rows, for short walks). `scores_first`: whether
+    a compute warpgroup's turn issues a block's Q K^T before the last block's P V (None:
+    `scores_first_default`; the results are the same either way). `interpret`: Mosaic GPU
+    interpret-mode parameters (`InterpretGPUParams`) to run on a CPU, or None to compile for the GPU."""
     l, s = q.shape[1], k.shape[1]
     rows, keys = padded_lengths(l, s, block_q=block_q, block_kv=block_kv, compute_wgs=compute_wgs)
     band, tiles = _checked_band(q, k, v, scale=scale, causal=causal, diag_offset=diag_offset, window=window,
@@ -391,7 +413,7 @@ def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, blo
                                 compute_wgs=compute_wgs, programs=programs)
     out, lse = _launch(_pad_rows(q, rows), _pad_rows(k, keys), _pad_rows(v, keys), sinks,
                        band=dataclasses.replace(band, q_len=l), tiles=tiles, scale=scale, softcap=softcap,
-                       stages=stages, interpret=interpret)
+                       stages=stages, scores_first=scores_first, interpret=interpret)
     if rows != l:
         out, lse = out[:, :l], lse[:, :, :l]
     return out, lse
@@ -399,7 +421,7 @@ def flash_forward_mgpu(q, k, v, *, scale, causal, diag_offset=0, block_q=64, blo
 
 def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset=0, block_q=64, block_kv=128,
                              stages=2, window=None, softcap=None, sinks=None, programs=None,
-                             compute_wgs=COMPUTE_WGS, tma_edges=False, interpret=None):
+                             compute_wgs=COMPUTE_WGS, tma_edges=False, scores_first=None, interpret=None):
     """`flash_forward_mgpu` on whole tiles: L a multiple of compute_wgs * block_q, S of block_kv (see
     `padded_lengths`), keys from `kv_len` on (default S: none) masked as padding, padded query rows
     computed like the others. Padding must be finite (zeros, say): a masked key's weight is 0, and
@@ -419,17 +441,19 @@ def flash_forward_mgpu_tiles(q, k, v, *, scale, causal, kv_len=None, diag_offset
                       compute_wgs * block_q), tma_edges=tma_edges, interpret=interpret)
     band = dataclasses.replace(band, kv_len=int(kv_len), q_len=q.shape[1] if tma_edges else None)
     return _launch(q, k, v, sinks, band=band, tiles=tiles, scale=scale, softcap=softcap, stages=stages,
-                   interpret=interpret)
+                   scores_first=scores_first, interpret=interpret)
 
 
-def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, interpret):
+def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, scores_first, interpret):
     """The kernel call on whole tiles (arguments checked)."""
     b, l, hq, d = q.shape
     hk = k.shape[2]
+    if scores_first is None:
+        scores_first = scores_first_default(d, band.kv_len)
     body = functools.partial(
         _program, scale=float(scale), band=band, softcap=None if softcap is None else float(softcap),
         has_sinks=sinks is not None, stages=min(stages, band.num_kv_blocks), tiles=tiles, group=hq // hk,
-        batches=batch_group(q, k), interpret=interpret)
+        batches=batch_group(q, k), scores_first=bool(scores_first), interpret=interpret)
     call = plgpu.kernel(
         body,
         # The LSE has whole tiles' rows (L with whole tiles): a 1-D copy past the end of one (batch,
@@ -469,6 +493,20 @@ def _scores(q_smem, k_slot, after_issue, *, on_gpu):
     after_issue()
     return lax.dot_general(q_smem[...], k_slot[...], (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32)
+
+
+def _scores_between(q_smem, k_slot, between, *, on_gpu):
+    """(between(), q @ k^T in float32) from shared memory: Q K^T is issued first, then between() runs
+    (it may issue more products and wait for them), then the scores are read."""
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
+        out = between()
+        with jax.named_scope("scores_wait"):
+            return out, acc_ref[...]
+    if on_gpu:
+        return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_slot.shape[0]), jnp.float32))
+    return between(), lax.dot_general(q_smem[...], k_slot[...], (((1,), (1,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
 
 
 def _accumulate_pv(acc, p, v_slot, *, in_place):
@@ -577,7 +615,7 @@ class _Turns:
 
 
 def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, scale, band, softcap, stages,
-             interpret):
+             scores_first, interpret):
     q_all, k_smem, v_smem, lse_all = bufs
     q_slots = q_all.shape[1]
     block_q, block_kv = band.block_q, band.block_kv
@@ -625,17 +663,37 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
         def ring_slot(i):
             return lax.rem(loaded + (i - program_start), jnp.int32(stages))
 
-        def kv_step(i, carry, *, masked, keys=block_kv):
-            """One key block; `keys` < block_kv: its first `keys` keys only (no row sees the others)."""
-            acc, m, l = carry
+        def pv(acc, p16, i, keys=block_kv):
+            """acc + p16 @ V of key block i (its first `keys` keys), waited for; frees the V slot."""
             slot = ring_slot(i)
-            k_slot, v_slot = (ref.at[slot] if keys == block_kv else ref.at[slot, pl.ds(0, keys)]
-                              for ref in (k_smem, v_smem))
+            v_slot = v_smem.at[slot] if keys == block_kv else v_smem.at[slot, pl.ds(0, keys)]
+            with jax.named_scope("pv"):
+                acc = _accumulate_pv(acc, p16, v_slot, in_place=on_gpu)
+            plgpu.barrier_arrive(bars["v_free"].at[slot])
+            return acc
+
+        def kv_step(i, carry, *, masked, keys=block_kv, first=False):
+            """One key block; `keys` < block_kv: its first `keys` keys only (no row sees the others).
+            As before `scores_first`: Q K^T, the turn passed, the softmax, the turn taken back, P V.
+            With it the step holds the turn from its start and issues the block's Q K^T first, then
+            the P V of the block before (none in a walk's `first` step; its P rides in the carry), so
+            that the scores are done when the turn passes; a whole block leaves its own P V to the
+            next step (or the walk's end), half of one, always a walk's last, does its own."""
+            acc, m, l = carry[:3]
+            slot = ring_slot(i)
+            k_slot = k_smem.at[slot] if keys == block_kv else k_smem.at[slot, pl.ds(0, keys)]
             with jax.named_scope("k_wait"):
                 plgpu.barrier_wait(bars["k_ready"].at[slot])
 
-            # The turn passes once the matmul is issued: another warpgroup may then issue its own.
-            s = _scores(qo_smem, k_slot, turns.after_scores, on_gpu=on_gpu)
+            if scores_first:
+                def between():
+                    out = acc if first else pv(acc, carry[3], i - 1)
+                    turns.after_scores()  # the products issued: another warpgroup may issue its own
+                    return out
+                acc, s = _scores_between(qo_smem, k_slot, between, on_gpu=on_gpu)
+            else:
+                # The turn passes once the matmul is issued: another warpgroup may then issue its own.
+                s = _scores(qo_smem, k_slot, turns.after_scores, on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["k_free"].at[slot])
             with jax.named_scope("softmax"):
                 if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
@@ -657,12 +715,58 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
                 # compiler sink part of it past the barrier into the other warpgroup's turn.
                 acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
             turns.before_pv(bars["v_ready"].at[slot])
-
-            with jax.named_scope("pv"):
-                acc = _accumulate_pv(acc, p16, v_slot, in_place=on_gpu)
-            plgpu.barrier_arrive(bars["v_free"].at[slot])
+            if scores_first and keys == block_kv:
+                pl.when(i == program_start)(free_next_slot)
+                return acc, m_new, l, p16
+            acc = pv(acc, p16, i, keys)
             pl.when(i == program_start)(free_next_slot)
-            return acc, m_new, l
+            return (acc, m_new, l) + tuple(carry[3:])
+
+        def walk(carry, start, end, full_start, full_end):
+            """The warpgroup's key blocks [start, end) of the tile: masked where they cross a band edge,
+            the last one halved where its second half is seen by none of the rows."""
+            halves = (band.right is not None or band.ragged_end) and block_kv >= HALF_BLOCK_MIN
+            halved = _halved_last_block(rows, full_end, end, band) if halves else 0
+            if not scores_first:
+                if band.left is not None:
+                    carry = lax.fori_loop(start, full_start, functools.partial(kv_step, masked=True), carry)
+                carry = lax.fori_loop(full_start, full_end, functools.partial(kv_step, masked=False), carry)
+                if band.right is not None or band.ragged_end:
+                    carry = lax.fori_loop(full_end, end - halved, functools.partial(kv_step, masked=True), carry)
+                    if halves:
+                        carry = lax.fori_loop(end - halved, end, functools.partial(kv_step, masked=True,
+                                                                                   keys=block_kv // 2), carry)
+                return carry
+            # The first step has no P V before it: one of up to three loops of at most one step each
+            # takes it, so that every product and its wait stay in one stretch of code (a branch around
+            # the pending product measured slower). 0/1 counts as int32: the kernel's lowering takes
+            # no boolean constants.
+            flag = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+            walks = flag(end > start)
+            lone_half = walks * flag(end - halved == start) if halves else 0
+            whole = flag(full_start <= start) * flag(start < full_end)
+            firsts = [(walks * (1 - lone_half) * whole, dict(masked=False)),
+                      (walks * (1 - lone_half) * (1 - whole), dict(masked=True))]
+            if halves:
+                firsts.append((lone_half, dict(masked=True, keys=block_kv // 2)))
+            for once, kw in firsts:
+                carry = lax.fori_loop(start, start + once, functools.partial(kv_step, first=True, **kw), carry)
+
+            def steps(lo, hi, carry, **kw):  # the other steps, each taking the P V of the one before
+                return lax.fori_loop(jnp.maximum(lo, start + 1), jnp.maximum(hi, start + 1),
+                                     functools.partial(kv_step, **kw), carry)
+            if band.left is not None:
+                carry = steps(start, full_start, carry, masked=True)
+            carry = steps(full_start, full_end, carry, masked=False)
+            if band.right is not None or band.ragged_end:
+                carry = steps(full_end, end - halved, carry, masked=True)
+                if halves:
+                    carry = steps(end - halved, end, carry, masked=True, keys=block_kv // 2)
+            acc, m, l, p16 = carry
+            # The last whole block's P V, where the walk did not end on half a block.
+            pending = walks * (1 - halved)
+            acc = lax.fori_loop(end - pending, end, lambda i, acc: pv(acc, p16, i), acc)
+            return acc, m, l
 
         def release(i, _):
             """A block of the tile this warpgroup does not need: free its slot, keep the turns."""
@@ -687,22 +791,15 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             l = jnp.exp2(sink - m)
         turns.tile_start()
         carry = (acc, m, l)
+        if scores_first:  # the P of the step before, for its P V (zeros before the first)
+            carry += (_wgmma_layout(jnp.zeros((block_q, block_kv), dtype), on_gpu=on_gpu),)
         if band.left is not None:
             lax.fori_loop(program_start, start, release, None)
-            carry = lax.fori_loop(start, full_start, functools.partial(kv_step, masked=True), carry)
-        carry = lax.fori_loop(full_start, full_end, functools.partial(kv_step, masked=False), carry)
-        if band.right is not None or band.ragged_end:
-            halves = block_kv >= HALF_BLOCK_MIN
-            halved = _halved_last_block(rows, full_end, end, band) if halves else 0
-            carry = lax.fori_loop(full_end, end - halved, functools.partial(kv_step, masked=True), carry)
-            if halves:
-                carry = lax.fori_loop(end - halved, end, functools.partial(kv_step, masked=True,
-                                                                           keys=block_kv // 2), carry)
+        acc, m, l = walk(carry, start, end, full_start, full_end)
         if band.right is not None or idle_wgs:
             lax.fori_loop(end, program_end, release, None)
         pl.when(program_start == program_end)(free_next_slot)  # a tile with no key blocks
         turns.tile_end(output_written=False)
-        acc, m, l = carry
 
         with jax.named_scope("output"):
             # l >= 1 for a row that saw a key or has a sink (its max contributes exp2(0)), l >= 2^-126
