@@ -210,10 +210,15 @@ def test_scores_first_against_float64_oracle(b, l, s, hq, hk, kw, request):
     assert empty.any() == request.node.callspec.id.endswith("-empty")
 
 
-def test_scores_first_by_default_at_head_dim_128_from_8192_keys():
+def test_scores_first_by_default_at_head_dim_128_on_walks_from_8192_keys():
     assert scores_first_default(128, SCORES_FIRST_MIN_KEYS) and scores_first_default(128, 16384)
     assert not scores_first_default(128, SCORES_FIRST_MIN_KEYS - 1)
     assert not scores_first_default(64, 16384) and not scores_first_default(256, 16384)
+    # causal (right 0, left unbounded) walks up to every key; a window bounded on both sides does not
+    assert scores_first_default(128, 16384, (-1, 0)) and scores_first_default(128, 16384, (None, 0))
+    assert not scores_first_default(128, 16384, (1024, 0), tile_rows=128)
+    assert scores_first_default(128, 16384, (8192, 0), tile_rows=128)
+    assert not scores_first_default(128, 16384, (SCORES_FIRST_MIN_KEYS - 129, 0), tile_rows=128)
 
 
 @pytest.mark.parametrize("softcap, dtype", [(30.0, jnp.bfloat16), (43.0, jnp.bfloat16), (50.0, jnp.bfloat16),

@@ -92,7 +92,7 @@ FIXED_MAX_MOST_CAP_LOG2 = 63.0
 SMALLEST_NORMAL = 2.0 ** -126  # float32's
 
 #: Where a compute warpgroup's turn issues the next block's Q K^T before the last block's P V
-#: (`scores_first`): head dims and the fewest keys. The turn then waits once for both products and
+#: (`scores_first`): head dims and the fewest keys a walk may span. The turn then waits once for both products and
 #: the softmax finds its scores done, about 5% fewer cycles a block step at (16, 16, 1024, 64) under
 #: Nsight Compute; but a walk's first step and its last P V then take a step of their own, which a
 #: short walk does not earn back, and with 256-key blocks the pending P (64 registers a thread) lives
@@ -104,9 +104,14 @@ SCORES_FIRST_HEAD_DIMS = (128,)
 SCORES_FIRST_MIN_KEYS = 8192
 
 
-def scores_first_default(head_dim, kv_len):
-    """Whether the forward issues a block's Q K^T before the last block's P V by default."""
-    return head_dim in SCORES_FIRST_HEAD_DIMS and kv_len >= SCORES_FIRST_MIN_KEYS
+def scores_first_default(head_dim, kv_len, window=None, tile_rows=2 * 64):
+    """Whether the forward issues a block's Q K^T before the last block's P V by default, over kv_len
+    keys with `window` (left, right) (-1 or None: unbounded; causal is right 0): where a tile's walk
+    may span at least SCORES_FIRST_MIN_KEYS keys (a window bounded on both sides spans at most left +
+    right + tile_rows)."""
+    left, right = (-1, -1) if window is None else (-1 if w is None else w for w in window)
+    walk = kv_len if left < 0 or right < 0 else min(kv_len, left + right + tile_rows)
+    return head_dim in SCORES_FIRST_HEAD_DIMS and walk >= SCORES_FIRST_MIN_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +454,7 @@ def _launch(q, k, v, sinks, *, band, tiles, scale, softcap, stages, scores_first
     b, l, hq, d = q.shape
     hk = k.shape[2]
     if scores_first is None:
-        scores_first = scores_first_default(d, band.kv_len)
+        scores_first = scores_first_default(d, band.kv_len, (band.left, band.right), band.tile_rows)
     body = functools.partial(
         _program, scale=float(scale), band=band, softcap=None if softcap is None else float(softcap),
         has_sinks=sinks is not None, stages=min(stages, band.num_kv_blocks), tiles=tiles, group=hq // hk,
