@@ -486,21 +486,7 @@ def _wgmma_layout(x, *, on_gpu):
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA if x.ndim == 2 else plgpu.Layout.WGMMA.reduce(1))
 
 
-def _scores(q_smem, k_slot, after_issue, *, on_gpu):
-    """q @ k^T in float32 from shared memory; calls after_issue() between issuing and reading it."""
-    def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
-        after_issue()
-        with jax.named_scope("scores_wait"):
-            return acc_ref[...]
-    if on_gpu:
-        return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_slot.shape[0]), jnp.float32))
-    after_issue()
-    return lax.dot_general(q_smem[...], k_slot[...], (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-
-
-def _scores_between(q_smem, k_slot, between, *, on_gpu):
+def _scores(q_smem, k_slot, between, *, on_gpu):
     """(between(), q @ k^T in float32) from shared memory: Q K^T is issued first, then between() runs
     (it may issue more products and wait for them), then the scores are read."""
     def qk(acc_ref):
@@ -695,10 +681,10 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
                     out = acc if first else pv(acc, carry[3], i - 1)
                     turns.after_scores()  # the products issued: another warpgroup may issue its own
                     return out
-                acc, s = _scores_between(qo_smem, k_slot, between, on_gpu=on_gpu)
+                acc, s = _scores(qo_smem, k_slot, between, on_gpu=on_gpu)
             else:
                 # The turn passes once the matmul is issued: another warpgroup may then issue its own.
-                s = _scores(qo_smem, k_slot, turns.after_scores, on_gpu=on_gpu)
+                _, s = _scores(qo_smem, k_slot, turns.after_scores, on_gpu=on_gpu)
             plgpu.barrier_arrive(bars["k_free"].at[slot])
             with jax.named_scope("softmax"):
                 if softcap is not None:  # before the mask: tanh(-inf) would be a finite -1
@@ -732,34 +718,27 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
             the last one halved where its second half is seen by none of the rows."""
             halves = (band.right is not None or band.ragged_end) and block_kv >= HALF_BLOCK_MIN
             halved = _halved_last_block(rows, full_end, end, band) if halves else 0
-            if not scores_first:
-                if band.left is not None:
-                    carry = lax.fori_loop(start, full_start, functools.partial(kv_step, masked=True), carry)
-                carry = lax.fori_loop(full_start, full_end, functools.partial(kv_step, masked=False), carry)
-                if band.right is not None or band.ragged_end:
-                    carry = lax.fori_loop(full_end, end - halved, functools.partial(kv_step, masked=True), carry)
-                    if halves:
-                        carry = lax.fori_loop(end - halved, end, functools.partial(kv_step, masked=True,
-                                                                                   keys=block_kv // 2), carry)
-                return carry
-            # The first step has no P V before it: one of up to three loops of at most one step each
-            # takes it, so that every product and its wait stay in one stretch of code (a branch around
-            # the pending product measured slower). 0/1 counts as int32: the kernel's lowering takes
-            # no boolean constants.
-            flag = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
-            walks = flag(end > start)
-            lone_half = walks * flag(end - halved == start) if halves else 0
-            whole = flag(full_start <= start) * flag(start < full_end)
-            firsts = [(walks * (1 - lone_half) * whole, dict(masked=False)),
-                      (walks * (1 - lone_half) * (1 - whole), dict(masked=True))]
-            if halves:
-                firsts.append((lone_half, dict(masked=True, keys=block_kv // 2)))
-            for once, kw in firsts:
-                carry = lax.fori_loop(start, start + once, functools.partial(kv_step, first=True, **kw), carry)
+            if scores_first:
+                # The first step has no P V before it: one of up to three loops of at most one step
+                # each takes it, so that every product and its wait stay in one stretch of code (a
+                # branch around the pending product measured slower). 0/1 counts as int32: the
+                # kernel's lowering takes no boolean constants.
+                flag = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+                walks = flag(end > start)
+                lone_half = walks * flag(end - halved == start) if halves else 0
+                whole = flag(full_start <= start) * flag(start < full_end)
+                firsts = [(walks * (1 - lone_half) * whole, dict(masked=False)),
+                          (walks * (1 - lone_half) * (1 - whole), dict(masked=True))]
+                if halves:
+                    firsts.append((lone_half, dict(masked=True, keys=block_kv // 2)))
+                for once, kw in firsts:
+                    carry = lax.fori_loop(start, start + once, functools.partial(kv_step, first=True, **kw),
+                                          carry)
 
-            def steps(lo, hi, carry, **kw):  # the other steps, each taking the P V of the one before
-                return lax.fori_loop(jnp.maximum(lo, start + 1), jnp.maximum(hi, start + 1),
-                                     functools.partial(kv_step, **kw), carry)
+            def steps(lo, hi, carry, **kw):
+                if scores_first:  # the steps after the first, each taking the P V of the one before
+                    lo, hi = jnp.maximum(lo, start + 1), jnp.maximum(hi, start + 1)
+                return lax.fori_loop(lo, hi, functools.partial(kv_step, **kw), carry)
             if band.left is not None:
                 carry = steps(start, full_start, carry, masked=True)
             carry = steps(full_start, full_end, carry, masked=False)
@@ -767,6 +746,8 @@ def _compute(sinks_ref, out_ref, lse_ref, bufs, bars, *, program, wg, tiles, sca
                 carry = steps(full_end, end - halved, carry, masked=True)
                 if halves:
                     carry = steps(end - halved, end, carry, masked=True, keys=block_kv // 2)
+            if not scores_first:
+                return carry
             acc, m, l, p16 = carry
             # The last whole block's P V, where the walk did not end on half a block.
             pending = walks * (1 - halved)
