@@ -26,7 +26,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-from hopper_kernels_gpu import _load_variant
+from kernel_variants import load_variant
 
 from jaxattn.jax_core.kernels.flash_bwd_mgpu import backward_operands, flash_backward_mgpu_tiles
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
@@ -116,7 +116,7 @@ def main():
         for part in args.part:
             {"forward": forward, "backward": backward}[part](rows, args.clock_ghz, args.keep_traces)
     else:
-        module = _load_variant(args.variant)
+        module = load_variant(args.variant)
         if hasattr(module, "flash_forward_mgpu_tiles"):
             forward(rows, args.clock_ghz, args.keep_traces, module.flash_forward_mgpu_tiles)
         else:
