@@ -14,27 +14,13 @@ Q K^T, which nothing hides.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 
+from jaxattn.jax_core.kernels.mgpu_timeline import outermost_steps, tracks
+
 WARPGROUPS = 3  # two compute warpgroups and the memory warpgroup per program
 TILE_STARTS = ("q_wait", "tile_head")
-
-
-def _outermost_steps(events):
-    """[(name, begin, end)] of a track's outermost named steps, cycles from its first record."""
-    first = events[0]["ts"]
-    stack, steps = [], []
-    for event in events:
-        cycles = (event["ts"] - first) * 1e3
-        if event["ph"] == "B":
-            stack.append((event["name"], cycles))
-            continue
-        name, began = stack.pop()
-        if not stack:
-            steps.append((name, began, cycles))
-    return first * 1e3, steps
 
 
 def _tiles(steps):
@@ -49,16 +35,13 @@ def _tiles(steps):
 
 def boundaries(trace: dict) -> dict:
     """{warpgroup: {"inside": [gaps], "across": [gaps], "softmaxes_per_tile": mean}} over all programs."""
-    tracks = collections.defaultdict(list)
-    for event in trace["traceEvents"]:
-        tracks[event["tid"]].append(event)
     gaps = {wg: dict(inside=[], across=[], counts=[]) for wg in range(WARPGROUPS - 1)}
-    for track, events in tracks.items():
+    for track, events in tracks(trace).items():
         wg = (track - 1) % WARPGROUPS
         if wg == WARPGROUPS - 1:
             continue
         last_end = None
-        for tile in _tiles(_outermost_steps(events)[1]):
+        for tile in _tiles(outermost_steps(events)):
             softmaxes = [s for s in tile if s[0] == "softmax"]
             if not softmaxes:
                 continue
@@ -73,12 +56,11 @@ def boundaries(trace: dict) -> dict:
 
 def program_steps(trace: dict, program: int) -> list:
     """[(begin, end, warpgroup, name)] of one program's compute warpgroups, by time."""
-    tracks = collections.defaultdict(list)
-    for event in trace["traceEvents"]:
-        tracks[event["tid"]].append(event)
+    by_track = tracks(trace)
     merged, starts = [], {}
     for wg in range(WARPGROUPS - 1):
-        start, steps = _outermost_steps(tracks[1 + wg + WARPGROUPS * program])
+        events = by_track[1 + wg + WARPGROUPS * program]
+        start, steps = events[0]["ts"] * 1e3, outermost_steps(events)
         starts[wg] = start
         merged += [(start, b, e, wg, name) for name, b, e in steps]
     origin = min(starts.values())

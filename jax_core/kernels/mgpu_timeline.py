@@ -58,6 +58,29 @@ def compiler_params(*, interpret, **params) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(**params)
 
 
+def tracks(trace: dict) -> dict:
+    """{track number: its records in order} of one Chrome trace of `recorded`."""
+    found: dict = {}
+    for event in trace["traceEvents"]:
+        found.setdefault(event["tid"], []).append(event)
+    return found
+
+
+def outermost_steps(events: list) -> list:
+    """[(name, begin, end)] of one track's outermost named steps, in SM cycles from its first record."""
+    first = events[0]["ts"]
+    open_steps, steps = [], []
+    for event in events:
+        cycles = (event["ts"] - first) * 1e3
+        if event["ph"] == "B":
+            open_steps.append((event["name"], cycles))
+            continue
+        name, began = open_steps.pop()
+        if not open_steps:
+            steps.append((name, began, cycles))
+    return steps
+
+
 def summarise(trace: dict, warpgroups: int, clock_ghz: float) -> dict:
     """What one Chrome trace of `recorded` says, from a kernel of `warpgroups` warpgroups per program.
 
@@ -67,24 +90,14 @@ def summarise(trace: dict, warpgroups: int, clock_ghz: float) -> dict:
     records are in SM cycles from its start; `clock_ghz` converts them). Mosaic GPU's trace numbers a
     track 1 + warpgroup + warpgroups * program and gives each record "ts" = (the program's start in ns
     + cycles since its first record) / 1000."""
-    tracks: dict = {}
-    for event in trace["traceEvents"]:
-        tracks.setdefault(event["tid"], []).append(event)
     steps = [{} for _ in range(warpgroups)]
     spans = [[] for _ in range(warpgroups)]
     starts, ends = {}, {}
-    for track, events in tracks.items():
+    for track, events in tracks(trace).items():
         wg, program = (track - 1) % warpgroups, (track - 1) // warpgroups
         first = events[0]["ts"]
-        open_steps = []
-        for event in events:
-            cycles = (event["ts"] - first) * 1e3
-            if event["ph"] == "B":
-                open_steps.append((event["name"], cycles))
-                continue
-            name, began = open_steps.pop()
-            if not open_steps:
-                steps[wg][name] = steps[wg].get(name, 0.0) + cycles - began
+        for name, began, ended in outermost_steps(events):
+            steps[wg][name] = steps[wg].get(name, 0.0) + ended - began
         span = (events[-1]["ts"] - first) * 1e3
         spans[wg].append(span)
         starts[program] = min(starts.get(program, float("inf")), first * 1e3)
