@@ -5,7 +5,7 @@ the board's power limit, with the energy per call (NVML's counter) and the SM cl
 (backward, or forward for forward variants) in the same run.
 
     python benchmarks/hopper_variant_energy_gpu.py --variants a.py,b.py --shapes 2x8192x16x16x128 \\
-        [--seconds 6] [--rounds 2] [--softcap 30] [--out variant_energy.json]
+        [--seconds 6] [--rounds 2] [--softcap 30] [--launcher torch] [--out variant_energy.json]
 
 Shapes are B x L x Hq x Hk x D. A variant may compute other numbers on purpose (one that moves half of
 some data, to see what moving less would buy): outputs are compared and the difference printed, not
@@ -13,11 +13,17 @@ checked. Timing: `gpu_timing.time_jax` (10 back-to-back calls, median of 3) thre
 ("cool"); then per round and row a 3 s rest and `--seconds` of chunks of 10 calls ("sustained":
 median chunk, nvidia-smi's SM clock and board power over the last two thirds, energy per call over
 the whole run). `--rounds 0` times the cool calls only.
+
+`--launcher torch` (forward variants): our kernels run on torch tensors through the drop-in's launcher
+(`bridge.mosaic_launch.MosaicKernel`) and are timed as cuDNN is (CUDA events for the cool calls).
+Through `jax.jit` (the default) a call reads 7-12 µs slower at 512-4k tokens (BENCHMARKS.md "What the
+kernel-alone rows carry"), which leaves variants comparable with each other but not with cuDNN.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -34,24 +40,33 @@ from gpu_timing import time_jax, time_torch
 from hopper_kernels_gpu import backward_fn, backward_inputs, forward_fns, sms
 from hopper_step_profile_gpu import _EnergyMeter, _smi_samples
 from kernel_variants import load_variant
+from jaxattn.bridge.mosaic_launch import MosaicKernel
 from jaxattn.jax_core import calls
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
 
-def _calls(shape, paths, softcap=None) -> tuple[dict, bool]:
+def _calls(shape, paths, softcap=None, launcher="jax") -> tuple[dict, bool, set]:
     """({name: call} for the kernel as is, each variant and cuDNN (without a cap) at `shape`, whether
-    forward; our backward rows with `softcap` (its row operands from the forward without one: the
-    work per score is the same)."""
+    forward, and the names of the calls that run on torch tensors; our backward rows with `softcap`
+    (its row operands from the forward without one: the work per score is the same), our forward rows
+    through `launcher`."""
     b, l, hq, hk, d = shape
     modules = {os.path.basename(p): load_variant(p) for p in paths}
     forward = any(hasattr(m, "flash_forward_mgpu_tiles") for m in modules.values())
     if forward and softcap is not None:
         raise SystemExit(f"--softcap {softcap}: backward variants only")
+    if not forward and launcher != "jax":
+        raise SystemExit(f"--launcher {launcher}: forward variants only")
+    on_torch = {"cudnn"}
     if forward:
         tuned = calls.hopper_tiles("forward", d, l)
         options = {"as is": (flash_forward_mgpu_tiles, tuned)}
         options.update({n: (m.flash_forward_mgpu_tiles, tuned) for n, m in modules.items()})
-        found = forward_fns((b, l, hq, d), options)
+        if launcher == "torch":
+            found = _torch_forward_fns((b, l, hq, d), options)
+            on_torch |= set(found)
+        else:
+            found = forward_fns((b, l, hq, d), options)
     else:
         splits = calls.hopper_head_splits(b, hq, hk, l, d)
         args = backward_inputs(*shape)
@@ -73,17 +88,38 @@ def _calls(shape, paths, softcap=None) -> tuple[dict, bool]:
         def cudnn():
             return torch.autograd.grad(out, leaves, do, retain_graph=True)
     found["cudnn"] = cudnn
-    return found, forward
+    return found, forward, on_torch
 
 
-def _sync(name, out):
-    if name == "cudnn":
+def _torch_forward_fns(shape, options: dict) -> dict:
+    """`forward_fns` on torch tensors (B, L, H, D), each kernel launched by `MosaicKernel`."""
+    d = shape[-1]
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fns, first = {}, None
+    for name, (kernel, tiles) in options.items():
+        launch = functools.partial(MosaicKernel(kernel), q, k, v, scale=d ** -0.5, causal=True, programs=sms(),
+                                   **tiles)
+        try:
+            out, _ = launch()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported, and the others go on
+            print(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+            continue
+        first = out if first is None else first
+        print(f"    {name}: max abs difference of out from the first {(out.float() - first.float()).abs().max().item()}",
+              flush=True)
+        fns[name] = launch
+    return fns
+
+
+def _sync(on_torch, out):
+    if on_torch:
         torch.cuda.synchronize()
     else:
         jax.block_until_ready(out)
 
 
-def _sustained(name, call, seconds, meter) -> dict:
+def _sustained(on_torch, call, seconds, meter) -> dict:
     stop, samples, chunks = threading.Event(), [], []
     sampler = threading.Thread(target=_smi_samples, args=(stop, samples))
     sampler.start()
@@ -92,7 +128,7 @@ def _sustained(name, call, seconds, meter) -> dict:
         start = time.perf_counter()
         for _ in range(10):
             out = call()
-        _sync(name, out)
+        _sync(on_torch, out)
         chunks.append((time.perf_counter() - start) * 1e5)  # s per 10 calls -> µs per call
     energy_after = meter.read()
     stop.set()
@@ -111,18 +147,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--softcap", type=float, default=None, help="backward variants: time them with this soft cap")
+    parser.add_argument("--launcher", choices=("jax", "torch"), default="jax",
+                        help="forward variants: through jax.jit on JAX arrays, or on torch tensors as the drop-in launches")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     meter, rows = _EnergyMeter(torch.cuda.current_device()), []
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
-        found, forward = _calls(shape, args.variants.split(","), args.softcap)
+        found, forward, on_torch = _calls(shape, args.variants.split(","), args.softcap, args.launcher)
         for name, call in found.items():
-            _sync(name, call())
+            _sync(name in on_torch, call())
         cool = {name: [] for name in found}
         for _ in range(3):
             for name, call in found.items():
-                cool[name].append((time_torch if name == "cudnn" else time_jax)(call, iters=10, repeats=3))
+                cool[name].append((time_torch if name in on_torch else time_jax)(call, iters=10, repeats=3))
         for name in found:
             rows.append(dict(shape=list(shape), forward=forward, row=name, part="cool",
                              us=statistics.median(cool[name]), rounds=[round(x, 1) for x in cool[name]]))
@@ -131,7 +169,7 @@ def main() -> None:
             for name, call in found.items():
                 time.sleep(3)  # each row starts from a rested GPU
                 row = dict(shape=list(shape), forward=forward, row=name, part="sustained", round=rnd,
-                           **_sustained(name, call, args.seconds, meter))
+                           **_sustained(name in on_torch, call, args.seconds, meter))
                 rows.append(row)
                 print(f"{shape} round {rnd} {name:28} first {row['first_chunk_us']:8.1f} median {row['median_us']:8.1f}"
                       f" us | {row['sm_clock_mhz']:.0f} MHz {row['power_w']:.0f} W"
@@ -139,7 +177,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, jax=jax.__version__,
-                           rows=rows), f, indent=1)
+                           launcher=args.launcher, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
