@@ -158,26 +158,35 @@ def splits(rows):
               flush=True)
 
 
-def forward_fns(shape, options: dict) -> dict:
+def forward_fns(shape, options: dict, launcher: str = "jax") -> dict:
     """{name: callable} of the forward (causal bf16, persistent grid) on inputs of `shape` (B, L, H, D),
     one per option {name: (a `flash_forward_mgpu_tiles`, its tiles)}, each run once and its output
     compared with the first one's (printed). An option that does not compile or fit (the kernel's own
-    shared-memory check) is reported and left out."""
+    shared-memory check) is reported and left out. `launcher` "jax": `jax.jit` on JAX arrays; "torch":
+    on torch tensors through the drop-in's launcher (`bridge.mosaic_launch.MosaicKernel`)."""
     d = shape[-1]
-    keys = jax.random.split(jax.random.key(1), 3)
-    q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    if launcher == "torch":
+        from jaxattn.bridge.mosaic_launch import MosaicKernel
+
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        bind, done, as_f32 = MosaicKernel, torch.cuda.synchronize, lambda x: x.float()
+    else:
+        q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.key(1), 3))
+        bind, done, as_f32 = jax.jit, lambda: None, lambda x: x.astype(jnp.float32)
     fns, first = {}, None
     for name, (kernel, tiles) in options.items():
-        fn = jax.jit(functools.partial(kernel, scale=d ** -0.5, causal=True, programs=sms(), **tiles))
+        call = functools.partial(bind(functools.partial(kernel, scale=d ** -0.5, causal=True, programs=sms(),
+                                                        **tiles)), q, k, v)
         try:
-            out, _ = jax.block_until_ready(fn(q, k, v))
+            out, _ = jax.block_until_ready(call())
+            done()
         except Exception as exc:  # noqa: BLE001 - reported, and the others go on
             print(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
             continue
         first = out if first is None else first
-        diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - first.astype(jnp.float32))))
-        print(f"    {name}: max abs difference of out from the first {diff}", flush=True)
-        fns[name] = functools.partial(fn, q, k, v)
+        print(f"    {name}: max abs difference of out from the first {float(abs(as_f32(out) - as_f32(first)).max())}",
+              flush=True)
+        fns[name] = call
     return fns
 
 

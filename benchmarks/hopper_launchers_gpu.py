@@ -20,19 +20,16 @@ layout a model passes runs as fast as the one the targets time.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 
 import jaxattn  # noqa: F401  (first: keeps JAX from preallocating GPU memory)
 import jax
-import jax.numpy as jnp
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from gpu_timing import time_jax, time_torch, write_report
-from hopper_kernels_gpu import sms
-from hopper_torch_gpu import drop_in
+from hopper_kernels_gpu import forward_fns
+from hopper_torch_gpu import drop_in, torch_backend
 from jaxattn.bridge import triton_program
 from jaxattn.jax_core import calls
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
@@ -44,10 +41,8 @@ def _rows(b, h, l, d):
     contiguous = [torch.randn(b, h, l, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     transposed = [torch.randn(b, l, h, d, generator=gen, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                   for _ in range(3)]
-    arrays = [jax.random.normal(key, (b, l, h, d), jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 3)]
-    kernel = jax.jit(functools.partial(flash_forward_mgpu_tiles, scale=d ** -0.5, causal=True, programs=sms(),
-                                       **calls.hopper_tiles("forward", d, l)))
-    ours = drop_in(True)
+    [jitted] = forward_fns((b, l, h, d), {"jax.jit": (flash_forward_mgpu_tiles, calls.hopper_tiles("forward", d, l))}
+                           ).values()
 
     def torch_row(fn, qkv):
         def call():
@@ -55,11 +50,8 @@ def _rows(b, h, l, d):
                 return fn(*qkv, True)
         return time_torch, call
 
-    def cudnn(q, k, v, causal):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return {"jax.jit, (B, L, H, D)": (time_jax, lambda: kernel(*arrays)),
+    ours, cudnn = drop_in(True), torch_backend(SDPBackend.CUDNN_ATTENTION)
+    return {"jax.jit, (B, L, H, D)": (time_jax, jitted),
             "drop-in, (B, H, L, D)": torch_row(ours, contiguous),
             "drop-in, (B, L, H, D) seen transposed": torch_row(ours, transposed),
             "torch cudnn, (B, H, L, D)": torch_row(cudnn, contiguous),

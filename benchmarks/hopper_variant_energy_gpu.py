@@ -23,7 +23,6 @@ kernel-alone rows carry"), which leaves variants comparable with each other but 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -40,7 +39,6 @@ from gpu_timing import time_jax, time_torch
 from hopper_kernels_gpu import backward_fn, backward_inputs, forward_fns, sms
 from hopper_step_profile_gpu import _EnergyMeter, _smi_samples
 from kernel_variants import load_variant
-from jaxattn.bridge.mosaic_launch import MosaicKernel
 from jaxattn.jax_core import calls
 from jaxattn.jax_core.kernels.flash_fwd_mgpu import flash_forward_mgpu_tiles
 
@@ -62,11 +60,9 @@ def _calls(shape, paths, softcap=None, launcher="jax") -> tuple[dict, bool, set]
         tuned = calls.hopper_tiles("forward", d, l)
         options = {"as is": (flash_forward_mgpu_tiles, tuned)}
         options.update({n: (m.flash_forward_mgpu_tiles, tuned) for n, m in modules.items()})
+        found = forward_fns((b, l, hq, d), options, launcher)
         if launcher == "torch":
-            found = _torch_forward_fns((b, l, hq, d), options)
             on_torch |= set(found)
-        else:
-            found = forward_fns((b, l, hq, d), options)
     else:
         splits = calls.hopper_head_splits(b, hq, hk, l, d)
         args = backward_inputs(*shape)
@@ -89,27 +85,6 @@ def _calls(shape, paths, softcap=None, launcher="jax") -> tuple[dict, bool, set]
             return torch.autograd.grad(out, leaves, do, retain_graph=True)
     found["cudnn"] = cudnn
     return found, forward, on_torch
-
-
-def _torch_forward_fns(shape, options: dict) -> dict:
-    """`forward_fns` on torch tensors (B, L, H, D), each kernel launched by `MosaicKernel`."""
-    d = shape[-1]
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    fns, first = {}, None
-    for name, (kernel, tiles) in options.items():
-        launch = functools.partial(MosaicKernel(kernel), q, k, v, scale=d ** -0.5, causal=True, programs=sms(),
-                                   **tiles)
-        try:
-            out, _ = launch()
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - reported, and the others go on
-            print(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
-            continue
-        first = out if first is None else first
-        print(f"    {name}: max abs difference of out from the first {(out.float() - first.float()).abs().max().item()}",
-              flush=True)
-        fns[name] = launch
-    return fns
 
 
 def _sync(on_torch, out):
