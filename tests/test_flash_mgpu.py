@@ -358,6 +358,9 @@ def test_lowers_for_hopper(kw, lengths):
         return flash_forward_mgpu(q, k, v, scale=0.1, sinks=sinks, **kw)
     text = jax.jit(forward).trace(q, k, k, sinks).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
+    # Launched with programmatic dependent launch (jax >= 0.11), it waits for the kernel before it on
+    # the stream before touching memory, and lets the next one start early.
+    assert "griddepcontrol.wait;" in text and "griddepcontrol.launch_dependents;" in text
 
 
 @pytest.mark.parametrize("programs", [None, 132], ids=["per-tile", "persistent"])

@@ -461,6 +461,9 @@ def test_lowers_for_hopper(kw, d, block_q, lengths):
                                    block_kv=32 if d == 256 else 64, **kw)
     text = jax.jit(backward).trace(q, k, k, q, rows, rows, acc).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
+    # Launched with programmatic dependent launch (jax >= 0.11), it waits for the kernel before it on
+    # the stream before touching memory, and lets the next one start early.
+    assert "griddepcontrol.wait;" in text and "griddepcontrol.launch_dependents;" in text
 
 
 @pytest.mark.parametrize("layout", ["heads", "folded"])

@@ -638,3 +638,38 @@ def test_backward_results_against_float64(dtype, by, monkeypatch):
         assert g.dtype == dtype and g.shape == want.shape and g.is_contiguous(), (name, g.dtype, g.shape)
         assert ((g.double() - want).abs() <= eps * want.abs() + 1e-6).all(), name
     assert len({g.untyped_storage().data_ptr() for g in got}) == 3  # no shared storage
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm90 GPU with Pallas Mosaic GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_back_to_back_forwards_read_what_the_call_before_wrote(monkeypatch, causal, d):
+    """Under programmatic dependent launch a kernel may start while the one before it on the stream
+    still runs, and must wait for it before reading. Pairs of calls with no synchronisation between
+    them: a long one on a few multiprocessors (one head, 32 tiles of queries each walking 64K keys),
+    then one whose values are its output. The second call's programs find idle multiprocessors at
+    once, so a kernel that read before the wait would read those values before they are written.
+    Each call against torch's math on its own inputs. (A forward whose wait is kept but never runs
+    fails it with NaN outputs; one without the wait at all launches in stream order and passes.)"""
+    monkeypatch.setitem(hopper_flash.HOPPER_MIN_LENGTH, "forward", 2048)
+    taken = _count_hopper_calls(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(1 << 30, ())))
+    dtype, l, s = torch.bfloat16, 4096, 65536
+
+    def randn(t):
+        return torch.randn(1, 1, t, d, generator=gen, device="cuda").to(dtype)
+    # All inputs first: a kernel of torch's between the two calls would wait for the first to end.
+    pairs = [(randn(l), randn(s), randn(s), randn(l), randn(l)) for _ in range(3)]
+    calls = []
+    with torch.no_grad(), sdpa_launcher("native"):
+        for q, k, v, q2, k2 in pairs:
+            out = scaled_dot_product_attention(q, k, v)
+            calls += [(q, k, v, False, out),
+                      (q2, k2, out, causal, scaled_dot_product_attention(q2, k2, out, is_causal=causal))]
+    assert len(taken) == len(calls), "the calls did not take the Hopper kernels"
+    for i, (q, k, v, is_causal, out) in enumerate(calls):
+        q, k, v = (t.float() for t in (q, k, v))
+        want, _ = _math(q, k, v, is_causal, torch.float32, False)
+        low, _ = _math(q, k, v, is_causal, dtype, False)
+        err, torch_err = ((t.float() - want).abs().max().item() for t in (out, low))
+        assert err <= 2 * torch_err + 1e-4 * want.abs().max().item(), (i, err, torch_err)

@@ -323,6 +323,12 @@ def _staging(d, dtype, block_q, block_kv, union, tiled, *, on_gpu):
 
 def _warpgroups(refs, bufs, bars, cfg: _Settings):
     program, wg = lax.axis_index("programs"), lax.axis_index("wg")
+    if cfg.interpret is None:
+        # Programmatic dependent launch, as in the forward: every global read and write below waits
+        # for the kernel before this one; the kernel after this one may take the multiprocessors
+        # this grid leaves.
+        plgpu.griddepcontrol_wait()
+        plgpu.griddepcontrol_launch_dependents()
     # A program's place in its cluster, read here once: Mosaic GPU's interpreter (jax 0.10) cannot
     # lower a cluster index taken inside a loop's body.
     rank = lax.axis_index("pair") if cfg.cluster > 1 else 0
