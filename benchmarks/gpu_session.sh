@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_session.sh tests  [pytest args...]   # GPU test files
 #   bash benchmarks/gpu_session.sh bench  [jaxattn bench args...]
 #   bash benchmarks/gpu_session.sh py     benchmarks/<script>.py [args...]   # benchmarks/README.md
+#   Several workers on one GPU: at most three (`-n 3`, XLA_PYTHON_CLIENT_MEM_FRACTION=.2); with four the
+#   Hopper test files run the GPU's memory out (BENCHMARKS.md, twentieth pass).
 # Needs the jax-triton wheel in .whl/ (pip download jax-triton==0.3.1 for Python 3.12).
 set -uo pipefail
 export HOME=/tmp TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TRITON_CACHE_DIR=/tmp/triton PYTHONUNBUFFERED=1
