@@ -660,14 +660,14 @@ def test_back_to_back_forwards_read_what_the_call_before_wrote(monkeypatch, caus
         return torch.randn(1, 1, t, d, generator=gen, device="cuda").to(dtype)
     # All inputs first: a kernel of torch's between the two calls would wait for the first to end.
     pairs = [(randn(l), randn(s), randn(s), randn(l), randn(l)) for _ in range(3)]
-    calls = []
+    results = []
     with torch.no_grad(), sdpa_launcher("native"):
         for q, k, v, q2, k2 in pairs:
             out = scaled_dot_product_attention(q, k, v)
-            calls += [(q, k, v, False, out),
-                      (q2, k2, out, causal, scaled_dot_product_attention(q2, k2, out, is_causal=causal))]
-    assert len(taken) == len(calls), "the calls did not take the Hopper kernels"
-    for i, (q, k, v, is_causal, out) in enumerate(calls):
+            results += [(q, k, v, False, out),
+                        (q2, k2, out, causal, scaled_dot_product_attention(q2, k2, out, is_causal=causal))]
+    assert len(taken) == len(results), "the calls did not take the Hopper kernels"
+    for i, (q, k, v, is_causal, out) in enumerate(results):
         q, k, v = (t.float() for t in (q, k, v))
         want, _ = _math(q, k, v, is_causal, torch.float32, False)
         low, _ = _math(q, k, v, is_causal, dtype, False)
