@@ -175,8 +175,12 @@ def forward_fns(shape, options: dict, launcher: str = "jax") -> dict:
         bind, done, as_f32 = jax.jit, lambda: None, lambda x: x.astype(jnp.float32)
     fns, first = {}, None
     for name, (kernel, tiles) in options.items():
+        # A variant may take inputs after q, k, v (a tile list, say): `kernel.extra_inputs` makes them.
+        extra = getattr(kernel, "extra_inputs", lambda *_, **__: [])(q.shape, k.shape, causal=True, programs=sms(),
+                                                                      **tiles)
+        extra = [torch.as_tensor(x, device="cuda") if launcher == "torch" else jnp.asarray(x) for x in extra]
         call = functools.partial(bind(functools.partial(kernel, scale=d ** -0.5, causal=True, programs=sms(),
-                                                        **tiles)), q, k, v)
+                                                        **tiles)), q, k, v, *extra)
         try:
             out, _ = jax.block_until_ready(call())
             done()
